@@ -13,7 +13,7 @@ namespace flash::fa1 {
 // Rows of the per-row scratch are padded to this, so no kernel needs a bounds check there.
 constexpr int kRowPad = 128;
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+__host__ __device__ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Forward scratch: the running O (fp32, kernel head dim) then the running max and sum per row.
 inline int64_t fwd_workspace_bytes(int batch, int heads, int seqlen_q, int kernel_hdim) {
