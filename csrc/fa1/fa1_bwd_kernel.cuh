@@ -150,6 +150,7 @@ __global__ void __launch_bounds__(kNumThreads) bwd_kernel(const BwdParams p, int
     __syncthreads();  // every warp is done with the previous K_j, V_j
     load_tile<T, Bc, kHeadDim>(sK, k_head, p.k_strides.row, j * Bc, p.seqlen_k, p.head_dim, tid);
     load_tile<T, Bc, kHeadDim>(sV, v_head, p.v_strides.row, j * Bc, p.seqlen_k, p.head_dim, tid);
+    copy_async_commit();  // waited on with the first Q_i, or below when no query sees tile j
 
     for (int h = hk * group; h < (hk + 1) * group; ++h) {
       const int64_t bh = int64_t(b) * p.heads + h;
@@ -282,6 +283,8 @@ __global__ void __launch_bounds__(kNumThreads) bwd_kernel(const BwdParams p, int
         }
       }
     }
+
+    copy_async_wait<0>();
 
     // dK_j = scale dS^T Q summed over the tile's queries and the group's heads; dV_j likewise.
 #pragma unroll

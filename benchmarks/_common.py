@@ -1,0 +1,368 @@
+"""What the two benchmark scripts share: the backends under test, error bookkeeping, metadata,
+file names and markdown. Imports only torch (and flash_attn, guarded), so it loads anywhere.
+
+Every backend is a function ``fn(q, k, v, causal) -> out`` on tensors in flash_attn's layout
+``(batch, seqlen, nheads, headdim)``, so all of them get the same input and gradient tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import platform
+import re
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+DEFAULT_OUT_DIR = BENCH_DIR / "results"
+
+OUR_FAMILIES = ("fa1", "fa2", "fa3")
+BASELINES = ("cudnn", "sdpa_flash", "sdpa_efficient", "torch")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+@dataclasses.dataclass
+class Backend:
+    name: str
+    kind: str                  # "ours" or "baseline"
+    fn: AttnFn | None
+    unavailable: str | None    # why fn is None
+
+
+# ---- flash_attn, which may be missing or built without its extension ------------------------
+
+def load_flash_attn():
+    """(module, None) or (None, reason). Never raises: without our build the baselines still run.
+
+    The importable flash_attn is the one benchmarked (an installed wheel, or an in-place build
+    of this checkout, which is preferred when its extension is present). When that import fails
+    or finds a flash_attn without ``available_backends`` (another implementation), this
+    checkout is tried. The JSON records which file was imported."""
+    source = REPO_ROOT / "flash_attn"
+    if any(source.glob("_C*.so")) and str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    fa, error = _import_flash_attn()
+    if fa is not None and not hasattr(fa, "available_backends"):
+        fa, error = None, f"{fa.__file__} is not this project's flash_attn (no available_backends)"
+    if fa is None and (source / "__init__.py").exists() and sys.path[0] != str(REPO_ROOT):
+        for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+            del sys.modules[name]
+        sys.path.insert(0, str(REPO_ROOT))
+        fa, checkout_error = _import_flash_attn()
+        error = None if fa is not None else f"{error}; checkout: {checkout_error}"
+    return fa, error
+
+
+def _import_flash_attn():
+    try:
+        import flash_attn
+        return flash_attn, None
+    except Exception as e:  # a broken extension can raise anything at import
+        return None, describe_error(e)
+
+
+def our_backend_names(fa, fa_error: str | None,
+                      device: torch.device) -> tuple[list[str], str | None]:
+    """What flash_attn.available_backends says this device runs, or ([], why not)."""
+    if fa is None:
+        return [], f"flash_attn did not import: {fa_error}"
+    if not hasattr(fa, "available_backends"):
+        return [], "flash_attn has no available_backends()"
+    try:
+        names = list(fa.available_backends(device))
+    except Exception as e:
+        return [], describe_error(e)
+    if names:
+        return names, None
+    why = "available_backends() is empty"
+    if device.type != "cuda":
+        return [], why + f" on {device.type}"
+    try:  # the usual cause is a missing or unloadable extension; its error says how to fix it
+        from flash_attn import _ops
+        _ops.extension()
+    except Exception as e:
+        why += f": {describe_error(e)}"
+    return [], why
+
+
+def expand_backend_names(requested: list[str], ours: list[str]) -> list[str]:
+    """'ours' stands for every family the device runs, best first; order kept, duplicates gone."""
+    names: list[str] = []
+    for name in requested:
+        for n in (ours if name == "ours" else [name]):
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def make_backends(names: list[str], fa, ours: list[str],
+                  ours_error: str | None) -> list[Backend]:
+    """ours, ours_error: what our_backend_names returned."""
+    backends = []
+    for name in names:
+        if name in BASELINES:
+            backends.append(Backend(name, "baseline", BASELINE_FNS[name], None))
+        elif name in ours:
+            backends.append(Backend(name, "ours", _ours_fn(fa, name), None))
+        else:
+            why = ours_error or f"not run by this device/build (available_backends() = {ours})"
+            backends.append(Backend(name, "ours", None, why))
+    return backends
+
+
+def _ours_fn(fa, name: str) -> AttnFn:
+    def fn(q, k, v, causal):
+        return fa.flash_attn_func(q, k, v, causal=causal, backend=name)
+    return fn
+
+
+# ---- baselines --------------------------------------------------------------------------------
+
+def _sdpa_fn(which) -> AttnFn:
+    from torch.nn.attention import sdpa_kernel
+
+    # SDPA takes (b, h, s, d). It gets transposed views of the (b, s, h, d) tensors: the layout its
+    # flash, efficient and cuDNN kernels work in internally, and how a model calls it after its
+    # projections. Transposes are views: no copy in the timed region.
+    def fn(q, k, v, causal):
+        with sdpa_kernel(which):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+        return out.transpose(1, 2)
+    return fn
+
+
+def plain_attention(q, k, v, causal):
+    """Attention the way a typical model writes it (nanoGPT style): materialised scores, a mask
+    built in the forward, softmax in fp32, cast back. Its matmuls copy the transposed views."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (b, h, s, d)
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        sq, sk = scores.shape[-2:]
+        # Bottom-right aligned, as flash_attn: row i sees key j iff j <= i + sk - sq.
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu_(sk - sq + 1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return (p @ v).transpose(1, 2)
+
+
+def _baseline_fns() -> dict[str, AttnFn]:
+    from torch.nn.attention import SDPBackend
+    return {
+        "cudnn": _sdpa_fn(SDPBackend.CUDNN_ATTENTION),
+        "sdpa_flash": _sdpa_fn(SDPBackend.FLASH_ATTENTION),
+        "sdpa_efficient": _sdpa_fn(SDPBackend.EFFICIENT_ATTENTION),
+        "torch": plain_attention,
+    }
+
+
+BASELINE_FNS = _baseline_fns()
+
+
+# ---- errors and memory ------------------------------------------------------------------------
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def describe_error(e: BaseException, caught: list | None = None) -> str:
+    """One line: the exception and, for SDPA, the warnings that say why no kernel fit."""
+    if is_oom(e):
+        return "OOM"
+    msg = " ".join(str(e).split()) or repr(e)
+    why = []
+    for w in caught or ():
+        text = " ".join(str(w.message).split())
+        if text and text not in why and "not used because" not in text:
+            why.append(text)
+    if why:
+        msg += " [" + "; ".join(why) + "]"
+    msg = f"{type(e).__name__}: {msg}"
+    return msg if len(msg) <= 400 else msg[:397] + "..."
+
+
+def attempt(f, *args):
+    """(f(*args), None), or (None, reason) after freeing what a failure (an OOM) left behind.
+    Warnings are captured: SDPA says in them why it refused a shape."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return f(*args), None
+        except Exception as e:
+            reason = describe_error(e, caught)
+    release_memory()  # outside the except: the traceback no longer pins the tensors
+    return None, reason
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # a lost context: cuda_alive() reports it
+            pass
+
+
+def cuda_alive(device: torch.device) -> bool:
+    """False once a kernel fault has poisoned the context: every later call would fail too."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:
+        return False
+
+
+class HostEvent:
+    """torch.cuda.Event's timing interface on the host clock, for the hidden --device cpu mode
+    (a development smoke test of the pipeline; CPU numbers mean nothing)."""
+
+    def __init__(self, enable_timing: bool = True):
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        return (end.t - self.t) * 1e3
+
+
+def event_class(device: torch.device):
+    return torch.cuda.Event if device.type == "cuda" else HostEvent
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- metadata and file names ------------------------------------------------------------------
+
+def device_short_name(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100', 'NVIDIA GeForce RTX 4090' -> 'RTX4090'."""
+    words = [w for w in re.split(r"[\s_-]+", name) if w and w not in ("NVIDIA", "GeForce", "Tesla")]
+    if not words:
+        return "unknown"
+    short = words[0]
+    if short in ("RTX", "GTX", "Quadro", "TITAN") and len(words) > 1:
+        short += words[1]
+    return re.sub(r"[^A-Za-z0-9.]", "", short) or "unknown"
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=REPO_ROOT)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def metadata(device: torch.device, fa, ours: list[str], ours_error: str | None) -> dict:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = {
+        "date_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "flash_attn": getattr(fa, "__version__", None),
+        "flash_attn_path": getattr(fa, "__file__", None),
+        "flash_attn_backends": ours,
+        "flash_attn_error": ours_error,
+        "git_commit": _run(["git", "rev-parse", "HEAD"]),
+        "git_dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
+    }
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        meta.update({
+            "device": p.name,
+            "device_short": device_short_name(p.name),
+            "compute_capability": f"{p.major}.{p.minor}",
+            "sm_count": p.multi_processor_count,
+            "memory_bytes": p.total_memory,
+            "l2_bytes": getattr(p, "L2_cache_size", None),
+            "nvidia_smi": _run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,"
+                                "clocks.max.mem,power.limit", "--format=csv,noheader"]),
+        })
+    else:
+        meta.update({"device": f"CPU ({platform.processor() or platform.machine()})",
+                     "device_short": "CPU"})
+    return meta
+
+
+def output_stem(prefix: str, meta: dict, dtype: str, quick: bool, tag: str | None) -> str:
+    """attn_H100_2026-11-22: device and date; a non-default dtype, --quick or --tag are
+    added so those runs never overwrite the day's full run."""
+    parts = [prefix, meta["device_short"]]
+    if dtype != "bf16":
+        parts.append(dtype)
+    parts.append(meta["date_utc"][:10])
+    if quick:
+        parts.append("quick")
+    if tag:
+        parts.append(re.sub(r"[^A-Za-z0-9._-]", "_", tag))
+    return "_".join(parts)
+
+
+def meta_lines(meta: dict) -> list[str]:
+    fa = meta.get("flash_attn") or f"unavailable ({meta.get('flash_attn_error')})"
+    commit = (meta.get("git_commit") or "unknown")[:12] + ("+dirty" if meta.get("git_dirty")
+                                                          else "")
+    arch = (f" (sm{meta['compute_capability'].replace('.', '')}, {meta['sm_count']} SMs)"
+            if "compute_capability" in meta else "")
+    return [
+        f"- device: {meta['device']}{arch}",
+        f"- torch {meta['torch']}, CUDA {meta['cuda']}, cuDNN {meta['cudnn']}, "
+        f"Python {meta['python']}",
+        f"- flash_attn {fa}, our backends on this device: "
+        f"{meta.get('flash_attn_backends') or 'none'}, commit {commit}",
+        f"- date (UTC): {meta['date_utc']}",
+    ]
+
+
+def fmt_seqlen(s: int) -> str:
+    return f"{s // 1024}k" if s >= 1024 and s % 1024 == 0 else str(s)
+
+
+def parse_int_list(text: str) -> list[int]:
+    """'512,1k,2048' -> [512, 1024, 2048]."""
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item:
+            out.append(int(item[:-1]) * 1024 if item.endswith("k") else int(item))
+    return out
+
+
+def parse_name_list(text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if allowed is not None:
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise ValueError(f"unknown {bad}; choose from {list(allowed)}")
+    return names
+
+
+def markdown_table(header: list[str], rows: list[list[str]], right_from: int) -> str:
+    """Columns from index right_from on are right-aligned (numbers)."""
+    align = ["---" if i < right_from else "---:" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,254 @@
+"""THE dispatch point: (device arch, validated call, request) -> kernel family.
+
+Automatic choice walks ``build_matrix.PREFERENCE`` (best first) and takes the first family that
+is implemented, built into this ``flash_attn._C``, runs on the device's arch / dtype / head dim
+(``build_matrix.supports``) and has every feature the call uses. That gives sm90 -> fa3,
+sm80..89 -> fa2, sm75 -> fa1 when those are built. When the arch's first choice is skipped, a
+``BackendFallbackWarning`` says which family runs instead and why, once per distinct
+(arch, dtype, head dim, features, request).
+
+A family is forced with ``FLASH_ATTN_BACKEND=auto|fa1|fa2|fa3`` (read at call time) or per call
+with ``backend=`` (which wins). A forced family that cannot run the call is an error naming the
+reason and the families that would run it; it never falls back silently.
+
+Under ``torch.compile`` the choice is made while tracing (``assume_constant_result``) and baked
+into the graph: set FLASH_ATTN_BACKEND before the first compiled call, or pass ``backend=``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Iterable, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from . import _ops, build_matrix
+from ._validate import MAX_HEAD_DIM, Call, check_arch
+
+ENV_VAR = "FLASH_ATTN_BACKEND"
+# Names a request may use: every family the preference order knows, implemented or not yet.
+BACKENDS = tuple(build_matrix.PREFERENCE)
+
+# How an error message names each call feature.
+_FEATURE_TEXT = {
+    "causal": "causal attention",
+    "gqa": "grouped-query attention (nheads != nheads_k)",
+    "local": "local attention (window_size != (-1, -1))",
+    "softcap": "softcap > 0",
+    "alibi": "alibi_slopes",
+    "dropout": "dropout_p > 0",
+}
+
+
+class BackendFallbackWarning(UserWarning):
+    """The automatic choice skipped the device's preferred family (not built, or it cannot run
+    this call). Filter it with ``warnings.simplefilter('ignore', BackendFallbackWarning)`` or
+    turn it into an error to catch slow paths in tests."""
+
+
+class BuiltConfig(NamedTuple):
+    family: str
+    direction: str
+    dtype: str
+    hdim: int
+    min_arch: int
+
+
+# ---- what this build and this machine have ----------------------------------------------------
+
+_BUILT_CACHE: dict = {}
+_ARCH_CACHE: dict = {}
+
+
+def built_configs() -> frozenset:
+    """The kernels in ``flash_attn._C`` (``BuiltConfig``s); raises RuntimeError without it."""
+    ext = _ops.extension()
+    built = _BUILT_CACHE.get(ext)
+    if built is None:
+        built = frozenset(BuiltConfig(str(f), str(d), str(t), int(h), int(a))
+                          for f, d, t, h, a in ext.built_configs())
+        _BUILT_CACHE[ext] = built
+    return built
+
+
+@torch.compiler.assume_constant_result
+def device_arch(device) -> int:
+    """Compute capability of a CUDA device as major * 10 + minor (sm90 -> 90)."""
+    index = torch.device(device).index if not isinstance(device, int) else device
+    if index is None:
+        index = torch.cuda.current_device()
+    arch = _ARCH_CACHE.get(index)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = _ARCH_CACHE[index] = major * 10 + minor
+    return arch
+
+
+def requested_backend(backend: Optional[str]) -> Optional[str]:
+    """The forced family, or None for automatic: ``backend=`` if given, else FLASH_ATTN_BACKEND."""
+    if backend is not None:
+        source, value = "backend", backend
+    else:
+        source, value = ENV_VAR, os.environ.get(ENV_VAR, "")
+        if not value.strip():
+            return None
+    name = value.strip().lower() if isinstance(value, str) else value
+    if name == "auto":
+        return None
+    if name not in BACKENDS:
+        raise ValueError(f"{source}={value!r} is not a backend; supported: 'auto', "
+                         f"{', '.join(repr(b) for b in BACKENDS)}" +
+                         (" or None" if source == "backend" else ""))
+    return name
+
+
+# ---- the choice (pure: everything it reads is an argument) -----------------------------------
+
+def why_not(family: str, arch: int, dtype: str, hdim: int, features: Iterable[str],
+            directions: Tuple[str, ...], built: frozenset) -> Optional[str]:
+    """None if ``family`` can run the call, else the reason it cannot."""
+    if family not in build_matrix.FAMILIES:
+        return (f"{family} is not implemented in this version of flash_attn (implemented: "
+                f"{', '.join(sorted(build_matrix.FAMILIES))})")
+    missing = sorted(set(features) - build_matrix.FAMILIES[family].features)
+    if missing:
+        return f"{family} does not support {', '.join(_FEATURE_TEXT[m] for m in missing)}"
+    reason = build_matrix.supports(family, dtype, hdim, arch)
+    if reason is not None:
+        return reason
+    padded = -(-hdim // 8) * 8
+    for direction in directions:
+        if not any(c.family == family and c.direction == direction and c.dtype == dtype
+                   and c.hdim >= padded and c.min_arch <= arch for c in built):
+            return (f"this build has no {family} {direction} kernel for {dtype} head dim {hdim} "
+                    f"(built: {_summary(built, family)}); rebuild with FLASH_ATTN_FAMILIES / "
+                    f"FLASH_ATTN_DTYPES / FLASH_ATTN_HDIMS including it")
+    return None
+
+
+def _summary(built: frozenset, family: str) -> str:
+    mine = sorted({(c.direction, c.dtype, c.hdim) for c in built if c.family == family})
+    return ", ".join(f"{d} {t} hdim{h}" for d, t, h in mine) or "none"
+
+
+def preferred_family(arch: int) -> Optional[str]:
+    """The family an arch should run when everything is built, e.g. 90 -> fa3 once it exists."""
+    for name in build_matrix.PREFERENCE:
+        family = build_matrix.FAMILIES.get(name)
+        if family is not None and arch >= family.min_arch:
+            return name
+    return None
+
+
+def choose(arch: int, dtype: str, hdim: int, features: Iterable[str],
+           requested: Optional[str] = None, *, need_bwd: bool = False,
+           built: frozenset = frozenset()) -> str:
+    """The family that runs the call; raises NotImplementedError when none can (or the forced
+    one cannot). ``hdim`` is the caller's head dim, before padding to a multiple of 8."""
+    features = frozenset(features)
+    directions = ("fwd", "bwd") if need_bwd else ("fwd",)
+    reasons = {f: why_not(f, arch, dtype, hdim, features, directions, built)
+               for f in build_matrix.PREFERENCE}
+    runnable = [f for f in build_matrix.PREFERENCE if reasons[f] is None]
+    what = (f"sm{arch}, {dtype}, head dim {hdim}, {'fwd+bwd' if need_bwd else 'fwd'}, "
+            f"features: {', '.join(sorted(features)) or 'none'}")
+    if requested is not None:
+        if requested not in reasons:
+            raise ValueError(f"backend={requested!r} is not a backend; supported: "
+                             f"{', '.join(repr(b) for b in BACKENDS)}")
+        reason = reasons[requested]
+        if reason is None:
+            return requested
+        runs_it = (f"backend={runnable[0]!r} would run it (or leave backend unset for the "
+                   f"automatic choice)" if runnable else _none_runs_it(features))
+        raise NotImplementedError(f"backend={requested!r} cannot run this call ({what}): "
+                                  f"{reason}. {runs_it}")
+    if not runnable:
+        details = "; ".join(f"{f}: {reasons[f]}" for f in build_matrix.PREFERENCE)
+        raise NotImplementedError(f"no backend in this build can run this call ({what}). "
+                                  f"{details}. {_none_runs_it(features)}")
+    chosen, preferred = runnable[0], preferred_family(arch)
+    if preferred is not None and chosen != preferred:
+        warnings.warn(f"flash_attn: running {chosen} instead of {preferred}, the preferred "
+                      f"family on sm{arch}, because {reasons[preferred]} ({what})",
+                      BackendFallbackWarning, stacklevel=2)
+    return chosen
+
+
+def _none_runs_it(features: frozenset) -> str:
+    unsupported = [f for f in sorted(features)
+                   if not any(f in fam.features for fam in build_matrix.FAMILIES.values())]
+    if unsupported:
+        return (f"No backend in this version supports "
+                f"{', '.join(_FEATURE_TEXT[f] for f in unsupported)}.")
+    return "No backend in this build runs it."
+
+
+# ---- the entry point used by the public functions --------------------------------------------
+
+_DECISIONS: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Optional[str],
+            need_bwd: bool) -> Tuple[str, str, str]:
+    """``choose`` as (family, "", "") or ("", exception name, message), memoised: dynamo turns
+    the result into a constant, and an exception raised while it traces would reach the user
+    wrapped in a dynamo error, so errors are returned here and raised by traced code."""
+    try:
+        built = built_configs()
+    except RuntimeError as e:
+        return ("", "RuntimeError", str(e))
+    key = (arch, dtype, hdim, features, requested, need_bwd, built)
+    decision = _DECISIONS.get(key)
+    if decision is None:
+        try:
+            decision = (choose(arch, dtype, hdim, features, requested, need_bwd=need_bwd,
+                               built=built), "", "")
+        except NotImplementedError as e:
+            decision = ("", "NotImplementedError", str(e))
+        _DECISIONS[key] = decision
+    return decision
+
+
+_ERRORS = {"RuntimeError": RuntimeError, "NotImplementedError": NotImplementedError}
+
+
+def select(call: Call, device, backend: Optional[str], need_bwd: bool) -> str:
+    """The family for a validated call on ``device`` (traceable by torch.compile)."""
+    if torch.version.hip is not None:
+        raise RuntimeError("flash_attn's kernels are CUDA-only; this torch is a ROCm build "
+                           f"(HIP {torch.version.hip})")
+    arch = device_arch(device)
+    check_arch(arch, device)
+    head_dim = call.shapes.head_dim
+    if torch.compiler.is_compiling():
+        # Under dynamic=True the head dim is symbolic and cannot be a constant argument; the
+        # kernel depends only on it rounded up to a multiple of 8, which range guards pin down.
+        for padded in range(8, MAX_HEAD_DIM + 1, 8):
+            if head_dim <= padded:
+                head_dim = padded
+                break
+    family, error, message = _decide(arch, call.dtype, head_dim, call.features,
+                                     requested_backend(backend), need_bwd)
+    if error:
+        raise _ERRORS[error](message)
+    return family
+
+
+def available_backends(device=None) -> List[str]:
+    """The families this build can run on ``device`` (default: the current CUDA device), best
+    first; [] without a CUDA GPU or without the compiled extension."""
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return []
+    if device is not None and not isinstance(device, int) and torch.device(device).type != "cuda":
+        return []
+    try:
+        built = built_configs()
+    except RuntimeError:
+        return []
+    arch = device_arch(torch.cuda.current_device() if device is None else device)
+    return [f for f in build_matrix.PREFERENCE
+            if f in build_matrix.FAMILIES and arch >= build_matrix.FAMILIES[f].min_arch
+            and any(c.family == f and c.direction == "fwd" and c.min_arch <= arch for c in built)]

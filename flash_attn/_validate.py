@@ -1,0 +1,262 @@
+"""Every argument check of the public functions, run once before any launch.
+
+Each check raises a Python exception whose message names the argument, what was given and what
+is supported:
+
+- TypeError: not a tensor, or a dtype / Python type the API never accepts;
+- ValueError: a value or shape outside the API (wrong device, ndim, mismatched sizes, ...);
+- NotImplementedError: a valid call this build has no kernel for (raised by ``_dispatch``);
+- RuntimeError: the machine cannot run any kernel (GPU too old, extension not built).
+
+The checks are pure functions of plain values (shapes, dtypes, devices, numbers) so they are unit
+tested without a GPU; ``validate_call`` feeds them from the tensors. They look only at metadata,
+never at tensor values, so ``torch.compile(fullgraph=True)`` traces them without a graph break.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+# The kernels exist for these dtypes only; the names are build_matrix's.
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+# flash_attn 2.x's limit; a family may stop earlier (``_dispatch`` says which one runs it).
+MAX_HEAD_DIM = 256
+# Turing: the oldest GPU with the tensor-core MMA every family is built on.
+MIN_ARCH = 75
+# Where the kernels run. Only tests change it, to drive the whole frontend on CPU tensors with a
+# pure-PyTorch stand-in for ``flash_attn._C`` (tests/conftest.py).
+KERNEL_DEVICE_TYPE = "cuda"
+
+FEATURES = ("causal", "gqa", "local", "softcap", "alibi", "dropout")
+
+
+class Shapes(NamedTuple):
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+
+
+class Call(NamedTuple):
+    """A validated call: what dispatch and the op need, with 2.x's window / causal rules applied."""
+
+    shapes: Shapes
+    dtype: str                   # "fp16" | "bf16"
+    softmax_scale: float
+    causal: bool
+    window: Tuple[int, int]      # (-1, -1) unless the call is local
+    features: frozenset          # subset of FEATURES
+
+
+# ---- tensors ----------------------------------------------------------------------------------
+
+def check_is_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def check_device(name: str, device: torch.device) -> None:
+    if device.type != KERNEL_DEVICE_TYPE:
+        raise ValueError(f"{name} must be on a CUDA device, got {device}; flash_attn kernels run "
+                         f"on NVIDIA GPUs only (move the tensors with .cuda())")
+
+
+def check_same_device(names: Sequence[str], devices: Sequence[torch.device]) -> None:
+    for name, device in zip(names[1:], devices[1:]):
+        if device != devices[0]:
+            raise ValueError(f"{names[0]} and {name} must be on the same device, got "
+                             f"{devices[0]} and {device}")
+
+
+def dtype_name(name: str, dtype: torch.dtype) -> str:
+    """The build-matrix name of a supported dtype ('fp16' / 'bf16')."""
+    if dtype not in DTYPE_NAMES:
+        raise TypeError(f"{name} has dtype {dtype}; supported: torch.float16, torch.bfloat16 "
+                        f"(cast with .half() / .bfloat16())")
+    return DTYPE_NAMES[dtype]
+
+
+def check_same_dtype(names: Sequence[str], dtypes: Sequence[torch.dtype]) -> None:
+    for name, dtype in zip(names[1:], dtypes[1:]):
+        if dtype != dtypes[0]:
+            raise TypeError(f"{names[0]} and {name} must have the same dtype, got {dtypes[0]} "
+                            f"and {dtype}")
+
+
+def check_ndim(name: str, shape: Sequence[int], layout: str) -> None:
+    """``layout`` spells the expected dims, e.g. '(batch, seqlen, nheads, headdim)'."""
+    ndim = layout.count(",") + 1
+    if len(shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(shape)}")
+
+
+def check_packed_shape(name: str, shape: Sequence[int], npacked: int, layout: str) -> None:
+    """qkv (b, s, 3, h, d) / kv (b, s, 2, hk, d): the packing dim must hold exactly npacked."""
+    check_ndim(name, shape, layout)
+    if shape[2] != npacked:
+        raise ValueError(f"{name} must have shape {layout}, with {npacked} at dim 2, got shape "
+                         f"{tuple(shape)}")
+
+
+def check_shapes(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int],
+                 names: Sequence[str] = ("q", "k", "v")) -> Shapes:
+    nq, nk, nv = names
+    check_ndim(nq, q_shape, "(batch, seqlen_q, nheads, headdim)")
+    check_ndim(nk, k_shape, "(batch, seqlen_k, nheads_k, headdim)")
+    check_ndim(nv, v_shape, "(batch, seqlen_k, nheads_k, headdim)")
+    batch, seqlen_q, nheads, head_dim = q_shape
+    _, seqlen_k, nheads_k, _ = k_shape
+    for name, shape in ((nk, k_shape), (nv, v_shape)):
+        if shape[0] != batch:
+            raise ValueError(f"{name} has batch size {shape[0]} but {nq} has {batch}; they must "
+                             f"match")
+    if v_shape[1] != seqlen_k:
+        raise ValueError(f"{nv} has seqlen {v_shape[1]} but {nk} has {seqlen_k}; they must match")
+    if v_shape[2] != nheads_k:
+        raise ValueError(f"{nv} has {v_shape[2]} heads but {nk} has {nheads_k}; they must match")
+    for name, shape in ((nk, k_shape), (nv, v_shape)):
+        if shape[3] != head_dim:
+            raise ValueError(f"{name} has head dim {shape[3]} but {nq} has {head_dim}; this "
+                             f"build needs the same head dim for q, k and v")
+    if batch < 1:
+        raise ValueError(f"{nq} has batch size {batch}; it must be at least 1")
+    if nheads < 1 or nheads_k < 1:
+        raise ValueError(f"nheads ({nq}: {nheads}) and nheads_k ({nk}: {nheads_k}) must be at "
+                         f"least 1")
+    if nheads % nheads_k != 0:
+        raise ValueError(f"{nq} has {nheads} heads, which is not a multiple of the {nheads_k} "
+                         f"heads of {nk} / {nv} (grouped-query attention needs nheads % "
+                         f"nheads_k == 0)")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"{nq} has head dim {head_dim}; supported: 1 to {MAX_HEAD_DIM}")
+    return Shapes(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+
+
+# ---- options ----------------------------------------------------------------------------------
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_dropout(dropout_p) -> None:
+    if not _is_real(dropout_p):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The scale, defaulting to 1 / sqrt(head dim) of the caller's (unpadded) head dim."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not _is_real(softmax_scale):
+        raise TypeError(f"softmax_scale must be a float or None, got "
+                        f"{type(softmax_scale).__name__}")
+    # Comparisons, not math.isfinite: they also trace when torch.compile makes the float symbolic.
+    # NaN fails both.
+    if not 0.0 < softmax_scale < math.inf:
+        raise ValueError(f"softmax_scale must be a finite positive number (or None for "
+                         f"1/sqrt(headdim)), got {softmax_scale}")
+    return softmax_scale * 1.0 if isinstance(softmax_scale, int) else softmax_scale
+
+
+def check_window(window_size) -> Tuple[int, int]:
+    ok = (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+          and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size))
+    if not ok or window_size[0] < -1 or window_size[1] < -1:
+        raise ValueError(f"window_size must be a pair of ints >= -1 (left, right), -1 meaning "
+                         f"unlimited, got {window_size!r}")
+    return (window_size[0], window_size[1])
+
+
+def check_softcap(softcap) -> None:
+    if not _is_real(softcap):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not 0.0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be 0 (off) or a finite positive number, got {softcap}")
+
+
+def check_alibi(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                batch: int, nheads: int, q_device: torch.device) -> None:
+    if tuple(shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) "
+                         f"= ({batch}, {nheads}), got {tuple(shape)}")
+    if dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be torch.float32, got {dtype}")
+    if device != q_device:
+        raise ValueError(f"alibi_slopes must be on the device of q ({q_device}), got {device}")
+
+
+def check_arch(arch: int, device) -> None:
+    if arch < MIN_ARCH:
+        raise RuntimeError(f"{device} is sm{arch} (compute capability {arch // 10}.{arch % 10}); "
+                           f"flash_attn needs compute capability {MIN_ARCH // 10}.{MIN_ARCH % 10} "
+                           f"(Turing) or newer")
+
+
+# ---- semantics --------------------------------------------------------------------------------
+
+def normalize_window(causal: bool, window: Tuple[int, int],
+                     seqlen_k: int) -> Tuple[bool, Tuple[int, int]]:
+    """flash_attn 2.x's rules: causal forces right = 0; a side >= seqlen_k is unlimited; and
+    (left=-1, right=0) is plain causal. Returns (causal, window), window (-1, -1) unless local."""
+    left, right = window
+    if causal:
+        right = 0
+    if left >= seqlen_k:
+        left = -1
+    if right >= seqlen_k:
+        right = -1
+    if left < 0 and right == 0:
+        return True, (-1, -1)
+    return False, (left, right)
+
+
+def call_features(causal: bool, window: Tuple[int, int], softcap, has_alibi: bool, dropout_p,
+                  nheads: int, nheads_k: int) -> frozenset:
+    """What a call needs from a family beyond plain attention, in build_matrix's feature names."""
+    used = (
+        ("causal", causal),
+        ("gqa", nheads != nheads_k),
+        ("local", window != (-1, -1)),
+        ("softcap", softcap > 0),
+        ("alibi", has_alibi),
+        ("dropout", dropout_p > 0),
+    )
+    return frozenset(name for name, on in used if on)
+
+
+# ---- the tensor entry point -------------------------------------------------------------------
+
+def validate_call(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                  names: Sequence[str] = ("q", "k", "v")) -> Call:
+    """All checks of one attention call, from its tensors. Layout (stride) problems are not
+    errors: the frontend copies such tensors into the layout the kernels read."""
+    tensors = (q, k, v)
+    for name, t in zip(names, tensors):
+        check_is_tensor(name, t)
+    check_device(names[0], q.device)
+    check_same_device(names, [t.device for t in tensors])
+    dtype = dtype_name(names[0], q.dtype)
+    check_same_dtype(names, [t.dtype for t in tensors])
+    shapes = check_shapes(q.shape, k.shape, v.shape, names)
+
+    check_dropout(dropout_p)
+    scale = resolve_softmax_scale(softmax_scale, shapes.head_dim)
+    window = check_window(window_size)
+    check_softcap(softcap)
+    if alibi_slopes is not None:
+        check_is_tensor("alibi_slopes", alibi_slopes)
+        check_alibi(alibi_slopes.shape, alibi_slopes.dtype, alibi_slopes.device,
+                    shapes.batch, shapes.nheads, q.device)
+
+    causal, window = normalize_window(bool(causal), window, shapes.seqlen_k)
+    features = call_features(causal, window, softcap, alibi_slopes is not None, dropout_p,
+                             shapes.nheads, shapes.nheads_k)
+    return Call(shapes, dtype, scale, causal, window, features)

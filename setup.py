@@ -1,0 +1,139 @@
+"""Build of flash-attn: the Python package plus the CUDA extension ``flash_attn._C``.
+
+    pip install --no-build-isolation .        # needs torch (CUDA build), nvcc, ninja, nvidia-cutlass
+
+What gets compiled is the build matrix in flash_attn/build_matrix.py, trimmed by the switches
+FLASH_ATTN_CUDA_ARCHS / _FAMILIES / _HDIMS / _DTYPES; FLASH_ATTN_SKIP_CUDA_BUILD=1 installs the
+Python package alone. MAX_JOBS bounds parallel compile jobs; CUTLASS_DIR overrides where the
+CUTLASS headers come from (third_party/find_cutlass.py). Build with ``pip install -v`` to see the
+matrix being compiled and the build time.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+os.chdir(ROOT)  # setuptools wants sources relative to the project root
+
+
+def _load_by_path(name: str, path: Path):
+    """Import a stdlib-only helper by file path, without importing flash_attn (or torch)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses looks its module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+def _version() -> str:
+    path = ROOT / "flash_attn" / "_version.py"
+    match = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", path.read_text(), re.M)
+    if match is None:
+        raise RuntimeError(f"no __version__ = '...' line in {path}")
+    return match.group(1)
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _cuda_extension():
+    """The CUDAExtension and its BuildExtension; imports torch, so only when building it."""
+    build_matrix = _load_by_path("_flash_attn_build_matrix", ROOT / "flash_attn" / "build_matrix.py")
+    find_cutlass = _load_by_path("_flash_attn_find_cutlass", ROOT / "third_party" / "find_cutlass.py")
+
+    import torch
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is None:
+        sys.exit(f"flash-attn: torch {torch.__version__} is not a CUDA build, so the CUDA "
+                 "extension cannot be built against it. Install a CUDA build of torch, or set "
+                 "FLASH_ATTN_SKIP_CUDA_BUILD=1 to install the Python package alone.")
+    if cpp_extension.CUDA_HOME is None:
+        sys.exit("flash-attn: no CUDA toolkit found; put nvcc on PATH or set CUDA_HOME.")
+    if not cpp_extension.is_ninja_available():
+        sys.exit("flash-attn: ninja not found; `pip install ninja` (the fallback compiles one "
+                 "file at a time).")
+    try:
+        cutlass_include = find_cutlass.cutlass_include_dir()
+    except find_cutlass.CutlassNotFound as e:
+        sys.exit(f"flash-attn: {e}")
+
+    configs = build_matrix.selected_configs()
+    archs = build_matrix.cuda_archs()
+    kernel_sources = build_matrix.write_sources(ROOT / "csrc" / "generated", configs)
+    api_sources = sorted(glob.glob("csrc/api/*.cpp"))
+    if not api_sources:
+        sys.exit("flash-attn: csrc/api/*.cpp is missing (the torch glue, flash_api.cpp).")
+    sources = api_sources + [os.path.relpath(p, ROOT) for p in kernel_sources]
+
+    print(f"flash-attn {_version()}: building flash_attn._C for "
+          f"{' '.join(f'sm{a}' for a in archs)}, {len(configs)} kernels "
+          f"(torch {torch.__version__}, CUDA {torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME}, "
+          f"MAX_JOBS={os.environ.get('MAX_JOBS', 'all cores')}):")
+    for c in configs:
+        print(f"  {c.family} {c.direction} {c.dtype} hdim{c.hdim}")
+    print(f"  CUTLASS: {cutlass_include}")
+
+    nvcc_flags = [
+        "-O3",
+        "-std=c++17",
+        "--use_fast_math",
+        "-lineinfo",
+        "--expt-relaxed-constexpr",
+        # torch's COMMON_NVCC_FLAGS hide the half / bfloat16 operators; the kernels use them.
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_HALF2_OPERATORS__",
+        "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        *build_matrix.gencode_flags(archs),  # an explicit -gencode keeps TORCH_CUDA_ARCH_LIST out
+    ]
+    extension = cpp_extension.CUDAExtension(
+        name="flash_attn._C",
+        sources=sources,
+        include_dirs=[str(ROOT / "csrc"), str(cutlass_include)],
+        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},
+    )
+
+    class TimedBuildExtension(cpp_extension.BuildExtension):
+        def build_extensions(self) -> None:
+            start = time.perf_counter()
+            ok = False
+            try:
+                super().build_extensions()
+                ok = True
+            finally:
+                print(f"flash-attn: {'built' if ok else 'FAILED to build'} flash_attn._C "
+                      f"({len(configs)} kernels x {len(archs)} archs) in "
+                      f"{time.perf_counter() - start:.1f} s")
+
+    return extension, TimedBuildExtension.with_options(use_ninja=True)
+
+
+if _flag("FLASH_ATTN_SKIP_CUDA_BUILD"):
+    ext_modules, cmdclass = [], {}
+    # An extension left in build/lib by an earlier full build would otherwise ship in this wheel.
+    for stale in glob.glob("build/lib*/flash_attn/_C*.so"):
+        os.remove(stale)
+else:
+    _extension, _build_ext = _cuda_extension()
+    ext_modules, cmdclass = [_extension], {"build_ext": _build_ext}
+
+setup(
+    version=_version(),
+    packages=["flash_attn"],
+    include_package_data=False,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)

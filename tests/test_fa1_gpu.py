@@ -1,0 +1,368 @@
+"""FA1 on the GPU, through the public API, held to FlashAttention's error-versus-error rule.
+
+For every case, on the same low-precision inputs:
+
+- ``truth``: flash_attn.reference.attention_ref in float64 (gradients by autograd in float64);
+- ``lowp``: the same reference with ``upcast=False``, i.e. what plain PyTorch computes at the
+  input precision (gradients by autograd at that precision);
+- ``ours``: ``flash_attn_func(..., backend='fa1')`` forward and backward.
+
+The rule, per tensor, with errors as max |x - truth| over the whole tensor:
+
+    out:        err(ours) <= 2 * err(lowp) + ulp
+    dq, dk, dv: err(ours) <= 3 * err(lowp) + ulp
+    where ulp = eps(dtype) * 2**floor(log2(max(max|truth|, 1/4)))
+
+(one unit in the last place of the largest element of the truth; the 1/4 floor only matters
+where the truth is all zero, e.g. dq of a row with a single visible key.)
+
+    lse: +inf exactly where the truth is +inf (rows that see no key), elsewhere
+         |ours - truth| <= 2e-4 * (1 + |truth|) elementwise.
+
+The kernel keeps the scores in fp32, so its lse is far more accurate than PyTorch's at fp16;
+2e-4 leaves room for fp32 summation over a few thousand keys and the exp2 / log2 approximations.
+
+Every output and gradient is allocated by the library; before each call the CUDA caching
+allocator is filled with NaN, so an element a kernel never writes shows up as NaN.
+"""
+
+import importlib
+import importlib.util
+import math
+import zlib
+
+import pytest
+import torch
+
+
+def _skip_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        if importlib.util.find_spec("flash_attn._C") is None:
+            return "flash_attn._C is not built (installed with FLASH_ATTN_SKIP_CUDA_BUILD?)"
+    except ImportError as e:
+        return f"flash_attn does not import: {e}"
+    import flash_attn
+    if "fa1" not in flash_attn.available_backends():
+        return (f"this build does not run fa1 on this GPU "
+                f"(available: {flash_attn.available_backends()})")
+    return None
+
+
+_SKIP = _skip_reason()
+if _SKIP is not None:
+    pytest.skip(_SKIP, allow_module_level=True)
+
+import flash_attn  # noqa: E402
+from flash_attn.reference import attention_ref  # noqa: E402
+
+DEVICE = torch.device("cuda")
+BACKEND = "fa1"
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (239, 1), (256, 512), (799, 3),
+           (1023, 1024), (1024, 1023), (2048, 2048)]
+HEAD_DIMS = [32, 40, 59, 64, 72, 96, 128]  # 59: the frontend pads it to 64
+LSE_TOL = 2e-4
+POISON_BYTES = 256 << 20
+
+
+def _bf16_ok():
+    return DEVICE.type != "cuda" or torch.cuda.get_device_capability(DEVICE) >= (8, 0)
+
+
+DTYPES = [
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16",
+                 marks=pytest.mark.skipif(not _bf16_ok(), reason="bf16 needs sm80+")),
+]
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Fresh random data per test, reproducible from the test id."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _skip_unless_built(dtype, head_dim):
+    """Skip a case the build matrix was trimmed of (FLASH_ATTN_DTYPES / _HDIMS)."""
+    padded = -(-head_dim // 8) * 8
+    have = {(c[1], c[2]) for c in importlib.import_module("flash_attn._C").built_configs()
+            if c[0] == BACKEND and c[3] >= padded}
+    if not {("fwd", DTYPE_NAMES[dtype]), ("bwd", DTYPE_NAMES[dtype])} <= have:
+        pytest.skip(f"this build has no {BACKEND} {DTYPE_NAMES[dtype]} kernel for head dim "
+                    f"{head_dim}")
+
+
+def _poison_allocator():
+    """Fill the memory the caching allocator will hand out next with 0xFF bytes (NaN in fp16,
+    bf16 and fp32): empty the cache, then allocate, fill and free blocks of the large pool and of
+    the small pool (allocations <= 1 MiB, carved from 2 MiB segments)."""
+    if DEVICE.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    blocks = [torch.full((POISON_BYTES,), 0xFF, dtype=torch.uint8, device=DEVICE)]
+    blocks += [torch.full((1 << 20,), 0xFF, dtype=torch.uint8, device=DEVICE) for _ in range(32)]
+    del blocks
+
+
+# ---- the rule ---------------------------------------------------------------------------------
+
+def _ulp(truth, dtype):
+    _, exponent = math.frexp(max(truth.abs().max().item(), 0.25))
+    return math.ldexp(torch.finfo(dtype).eps, exponent - 1)
+
+
+def assert_rule(name, ours, lowp, truth, factor, dtype):
+    assert ours.shape == truth.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(truth.shape)}"
+    assert ours.dtype == dtype, f"{name}: dtype {ours.dtype} != {dtype}"
+    assert not torch.isnan(ours).any(), f"{name}: NaN (an element the kernel did not write?)"
+    err = (ours.double() - truth).abs().max().item()
+    err_lowp = (lowp.double() - truth).abs().max().item()
+    ulp = _ulp(truth, dtype)
+    assert err <= factor * err_lowp + ulp, (
+        f"{name}: max error {err:.3e} > {factor} x PyTorch's {err_lowp:.3e} + ulp {ulp:.1e}")
+
+
+def assert_lse(ours, truth):
+    assert ours.shape == truth.shape and ours.dtype == torch.float32, (
+        f"lse: {ours.dtype} {tuple(ours.shape)}, want float32 {tuple(truth.shape)}")
+    assert not torch.isnan(ours).any(), "lse: NaN (an element the kernel did not write?)"
+    empty = torch.isposinf(truth)
+    assert torch.equal(torch.isposinf(ours), empty), "lse: +inf must mark exactly the rows that see no key"
+    diff = (ours.double() - truth)[~empty].abs()
+    tol = LSE_TOL * (1 + truth[~empty].abs())
+    if diff.numel():
+        worst = (diff / tol).argmax()
+        assert (diff <= tol).all(), (f"lse: error {diff[worst].item():.3e} > tolerance "
+                                     f"{tol[worst].item():.3e}")
+
+
+# ---- running a case ---------------------------------------------------------------------------
+
+def _leaves(tensors, dtype=None):
+    return [t.detach().to(dtype or t.dtype).clone().requires_grad_() for t in tensors]
+
+
+def _reference(inputs, to_qkv, dout, causal, upcast):
+    """(out, lse, grads of inputs) of attention_ref on ``to_qkv(*inputs)``."""
+    leaves = _leaves(inputs, torch.float64 if upcast else None)
+    out, lse = attention_ref(*to_qkv(*leaves), causal=causal, upcast=upcast, return_lse=True)
+    grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+    return out.detach(), lse, grads
+
+
+def _ours(inputs, call, dout):
+    """(out, lse, grads of inputs) of the library, with poisoned memory before each pass."""
+    leaves = _leaves(inputs)
+    _poison_allocator()
+    out, lse, probs = call(*leaves)
+    assert probs is None
+    _poison_allocator()
+    grads = torch.autograd.grad(out, leaves, dout)
+    return out.detach(), lse, grads
+
+
+def check(inputs, names, dtype, causal, call, to_qkv=lambda q, k, v: (q, k, v), dout=None):
+    """Run ours and both references on ``inputs`` and apply the rule; returns ours."""
+    q_shape = to_qkv(*inputs)[0].shape
+    if dout is None:
+        dout = torch.randn(q_shape, dtype=dtype, device=DEVICE)
+    truth = _reference(inputs, to_qkv, dout, causal, upcast=True)
+    lowp = _reference(inputs, to_qkv, dout, causal, upcast=False)
+    ours = _ours(inputs, call, dout)
+    assert_rule("out", ours[0], lowp[0], truth[0], 2, dtype)
+    assert_lse(ours[1], truth[1])
+    for name, g, g_lowp, g_truth in zip(names, ours[2], lowp[2], truth[2]):
+        assert_rule(f"d{name}", g, g_lowp, g_truth, 3, dtype)
+    return ours
+
+
+def _randn(*shape, dtype):
+    return torch.randn(*shape, dtype=dtype, device=DEVICE)
+
+
+def _func(causal, backend=BACKEND, deterministic=False):
+    def call(q, k, v):
+        return flash_attn.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic,
+                                          return_attn_probs=True, backend=backend)
+    return call
+
+
+def run_case(b, sq, sk, h, hk, d, causal, dtype, backend=BACKEND, deterministic=False):
+    _skip_unless_built(dtype, d)
+    inputs = (_randn(b, sq, h, d, dtype=dtype), _randn(b, sk, hk, d, dtype=dtype),
+              _randn(b, sk, hk, d, dtype=dtype))
+    return check(inputs, "qkv", dtype, causal, _func(causal, backend, deterministic))
+
+
+# ---- the grid ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk", SEQLENS)
+def test_seqlens(sq, sk, d, causal, dtype):
+    run_case(2, sq, sk, 4, 4, d, causal, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (1023, 1024)])
+@pytest.mark.parametrize("d", [hd for hd in HEAD_DIMS if hd not in (64, 128)])
+def test_head_dims(d, sq, sk, causal, dtype):
+    run_case(2, sq, sk, 4, 4, d, causal, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (239, 1), (1023, 1024)])
+@pytest.mark.parametrize("h,hk", [(6, 2), (7, 1)], ids=["gqa6-2", "mqa7-1"])
+def test_gqa(h, hk, sq, sk, causal, dtype):
+    # check() asserts dk / dv come back with nheads_k heads, not nheads.
+    run_case(2, sq, sk, h, hk, 64, causal, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (1024, 1023)])
+def test_backends_agree(sq, sk, causal, dtype):
+    """Every backend this build runs here passes the rule on the same inputs, and any two agree
+    with each other within 2 x PyTorch's error + ulp."""
+    b, h, hk, d = 2, 6, 2, 64
+    inputs = (_randn(b, sq, h, d, dtype=dtype), _randn(b, sk, hk, d, dtype=dtype),
+              _randn(b, sk, hk, d, dtype=dtype))
+    dout = _randn(b, sq, h, d, dtype=dtype)
+    results = {}
+    for backend in flash_attn.available_backends():
+        try:
+            flash_attn.select_backend(*inputs, causal=causal, backend=backend)
+        except (NotImplementedError, RuntimeError):
+            continue  # this family cannot run this call here (not built for it, or a feature)
+        results[backend] = check(inputs, "qkv", dtype, causal, _func(causal, backend), dout=dout)
+    assert results, f"no backend of {flash_attn.available_backends()} runs this call"
+    lowp = _reference(inputs, lambda q, k, v: (q, k, v), dout, causal, upcast=False)
+    truth = _reference(inputs, lambda q, k, v: (q, k, v), dout, causal, upcast=True)
+    names = list(results)
+    for i, a in enumerate(names):
+        for other in names[i + 1:]:
+            for idx, what in enumerate(["out", "dq", "dk", "dv"]):
+                x = results[a][0] if idx == 0 else results[a][2][idx - 1]
+                y = results[other][0] if idx == 0 else results[other][2][idx - 1]
+                t = truth[0] if idx == 0 else truth[2][idx - 1]
+                e = lowp[0] if idx == 0 else lowp[2][idx - 1]
+                err_lowp = (e.double() - t).abs().max().item()
+                diff = (x.double() - y.double()).abs().max().item()
+                assert diff <= 2 * err_lowp + _ulp(t, dtype), (
+                    f"{what}: {a} and {other} differ by {diff:.3e}, PyTorch's error is "
+                    f"{err_lowp:.3e}")
+
+
+# ---- determinism ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deterministic_backward_is_bitwise_repeatable(causal, dtype):
+    b, sq, sk, h, hk, d = 2, 1023, 1024, 6, 2, 64
+    _skip_unless_built(dtype, d)
+    inputs = (_randn(b, sq, h, d, dtype=dtype), _randn(b, sk, hk, d, dtype=dtype),
+              _randn(b, sk, hk, d, dtype=dtype))
+    dout = _randn(b, sq, h, d, dtype=dtype)
+    call = _func(causal, deterministic=True)
+    first = check(inputs, "qkv", dtype, causal, call, dout=dout)
+    for run in range(7):
+        out, lse, grads = _ours(inputs, call, dout)
+        assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"run {run}: forward"
+        for name, g, g0 in zip("qkv", grads, first[2]):
+            assert torch.equal(g, g0), f"run {run}: d{name} differs bitwise from run 0"
+
+
+# ---- layouts ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_qkvpacked(causal, dtype):
+    b, s, h, d = 2, 257, 4, 64
+    _skip_unless_built(dtype, d)
+
+    def call(qkv):
+        return flash_attn.flash_attn_qkvpacked_func(qkv, causal=causal, return_attn_probs=True,
+                                                    backend=BACKEND)
+    check((_randn(b, s, 3, h, d, dtype=dtype),), ["qkv"], dtype, causal, call,
+          to_qkv=lambda qkv: qkv.unbind(2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kvpacked(causal, dtype):
+    b, sq, sk, h, hk, d = 2, 113, 203, 6, 2, 72
+    _skip_unless_built(dtype, d)
+
+    def call(q, kv):
+        return flash_attn.flash_attn_kvpacked_func(q, kv, causal=causal, return_attn_probs=True,
+                                                   backend=BACKEND)
+    check((_randn(b, sq, h, d, dtype=dtype), _randn(b, sk, 2, hk, d, dtype=dtype)), ["q", "kv"],
+          dtype, causal, call, to_qkv=lambda q, kv: (q, *kv.unbind(2)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_strided_inputs(causal, dtype):
+    """q heads-first then transposed, k a slice of a wider last dim, v transposed: strides
+    that are not those of a contiguous (b, s, h, d) tensor, last dim still contiguous."""
+    b, sq, sk, h, hk, d = 2, 239, 130, 6, 3, 64
+    _skip_unless_built(dtype, d)
+
+    def views(q_bhsd, k_wide, v_bhsd):
+        return q_bhsd.transpose(1, 2), k_wide[..., 8:8 + d], v_bhsd.transpose(1, 2)
+
+    def call(q_bhsd, k_wide, v_bhsd):
+        q, k, v = views(q_bhsd, k_wide, v_bhsd)
+        assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+        return _func(causal)(q, k, v)
+
+    inputs = (_randn(b, h, sq, d, dtype=dtype), _randn(b, sk, hk, d + 24, dtype=dtype),
+              _randn(b, hk, sk, d, dtype=dtype))
+    check(inputs, ["q", "k_wide", "v"], dtype, causal, call, to_qkv=views)
+
+
+# ---- a training loop --------------------------------------------------------------------------
+
+class _TinyAttention(torch.nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, dim = x.shape
+        qkv = self.qkv(x).view(b, s, 3, self.heads, dim // self.heads)
+        out = flash_attn.flash_attn_qkvpacked_func(qkv, causal=True, backend=BACKEND)
+        return self.proj(out.reshape(b, s, dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_training_loop_smoke(dtype):
+    """A few optimizer steps of a tiny causal attention layer under autocast: the loss stays
+    finite and goes down."""
+    _skip_unless_built(dtype, 32)
+    b, s, heads, dim = 4, 200, 4, 128
+    model = _TinyAttention(dim, heads).to(DEVICE)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    x = torch.randn(b, s, dim, device=DEVICE)
+    # A target the layer can express: a fixed linear map of the running mean of the inputs.
+    target = (x.cumsum(1) / torch.arange(1, s + 1, device=DEVICE).view(1, s, 1)) @ \
+        torch.randn(dim, dim, device=DEVICE) / math.sqrt(dim)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device_type=DEVICE.type, dtype=dtype):
+            loss = torch.nn.functional.mse_loss(model(x).float(), target)
+        loss.backward()
+        assert torch.isfinite(loss), f"loss {loss.item()} after {len(losses)} steps"
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], f"loss did not go down: {losses[0]:.4f} -> {losses[-1]:.4f}"
