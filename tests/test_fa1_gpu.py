@@ -366,3 +366,55 @@ def test_training_loop_smoke(dtype):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], f"loss went {losses[0]:.4f} -> {losses[-1]:.4f}"
+
+
+# ---- small cases for compute-sanitizer (.ci/gpu sanitize runs `-k sanitize`) ------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal", [
+    (1, 113, 203, 6, 2, 40, True),    # ragged tiles, GQA, padded head dim, bottom-right causal
+    (2, 239, 17, 4, 4, 128, True),    # seqlen_q > seqlen_k: rows with no key
+    (1, 65, 129, 2, 1, 96, False),    # MQA, ragged K/V tile
+])
+def test_sanitize_small(b, sq, sk, h, hk, d, causal, dtype):
+    run_case(b, sq, sk, h, hk, d, causal, dtype)
+
+
+# ---- the real extension under torch.library's checks and torch.compile ------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_opcheck_real_kernels(causal):
+    _skip_unless_built(torch.float16, 64)
+    q = _randn(2, 77, 4, 64, dtype=torch.float16)
+    k, v = _randn(2, 93, 2, 64, dtype=torch.float16), _randn(2, 93, 2, 64, dtype=torch.float16)
+    torch.library.opcheck(torch.ops.flash_attn.fwd.default,
+                          (q, k, v, 0.125, causal, False, BACKEND))
+    out, lse = torch.ops.flash_attn.fwd(q, k, v, 0.125, causal, False, BACKEND)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.flash_attn.bwd.default,
+                          (dout, q, k, v, out, lse, 0.125, causal, True, BACKEND))
+
+
+def test_compile_fullgraph_forward_backward():
+    """torch.compile(fullgraph=True) traces forward and backward with no graph break, and runs
+    the same kernels: with the deterministic backward, gradients equal eager's bit for bit (the
+    loss only to rounding: inductor may sum in another order)."""
+    _skip_unless_built(torch.bfloat16, 64)
+    torch._dynamo.reset()
+
+    def step(q, k, v):
+        out = flash_attn.flash_attn_func(q, k, v, causal=True, deterministic=True,
+                                         backend=BACKEND)
+        return out.float().square().sum()
+
+    q, k, v = _leaves([_randn(2, 300, 4, 64, dtype=torch.bfloat16),
+                       _randn(2, 300, 2, 64, dtype=torch.bfloat16),
+                       _randn(2, 300, 2, 64, dtype=torch.bfloat16)])
+    eager_loss = step(q, k, v)
+    eager_grads = torch.autograd.grad(eager_loss, (q, k, v))
+    compiled = torch.compile(step, fullgraph=True)
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
+    for g, ge in zip(grads, eager_grads):
+        assert torch.equal(g, ge)

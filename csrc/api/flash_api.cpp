@@ -134,6 +134,7 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
   p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
   p.causal = causal;
   p.num_sms = device_info(q).num_sms;
+  p.arch = device_info(q).arch;
   // Tuning knob for benchmarks: Q tiles per FA1 forward block (0 or unset = automatic).
   if (const char* env = std::getenv("FLASH_ATTN_FA1_Q_TILES")) p.q_tiles_per_block = std::atoi(env);
 }

@@ -37,6 +37,7 @@ struct FwdParams {
   int q_tiles_per_block = 0;  // FA1: Q tiles one block walks (chosen by the launcher)
 
   int num_sms = 0;  // of the current device, for grid sizing
+  int arch = 0;     // its compute capability, major * 10 + minor (tile choice)
 };
 
 struct BwdParams : FwdParams {

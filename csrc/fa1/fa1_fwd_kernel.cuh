@@ -49,9 +49,9 @@ struct FwdShape {
   }
 };
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kWide>
 __global__ void __launch_bounds__(kNumThreads) fwd_kernel(const FwdParams p) {
-  using Tile = FwdTile<kHeadDim>;
+  using Tile = FwdTile<kHeadDim, kWide>;
   constexpr int Br = Tile::Br, Bc = Tile::Bc, P = kPitch<kHeadDim>;
   constexpr int kSTiles = Bc / 8;        // n8 tiles across a warp's S row block
   constexpr int kOTiles = kHeadDim / 8;  // n8 tiles across a warp's O row block
@@ -101,6 +101,7 @@ __global__ void __launch_bounds__(kNumThreads) fwd_kernel(const FwdParams p) {
   if (i_begin >= i_end) return;
   const int j_end = shape.last_kv_tile(i_end - 1, p.seqlen_q);
 
+  int q_in_smem = -1;  // with one Q tile per block, Q_i stays in shared memory across j
   for (int j = 0; j <= j_end; ++j) {
     const int i_first = max(i_begin, shape.first_q_tile(j));
     __syncthreads();  // every warp is done with the previous K_j, V_j
@@ -109,7 +110,11 @@ __global__ void __launch_bounds__(kNumThreads) fwd_kernel(const FwdParams p) {
 
     for (int i = i_first; i < i_end; ++i) {
       if (i != i_first) __syncthreads();  // every warp is done with the previous Q_i
-      load_tile<T, Br, kHeadDim>(sQ, q_head, p.q_strides.row, i * Br, p.seqlen_q, p.head_dim, tid);
+      if (i != q_in_smem) {
+        load_tile<T, Br, kHeadDim>(sQ, q_head, p.q_strides.row, i * Br, p.seqlen_q, p.head_dim,
+                                   tid);
+        q_in_smem = i;
+      }
       copy_async_commit();
 
       // Each warp owns 16 rows of the Q tile: rows r0 = row_base + g and r1 = r0 + 8.
@@ -117,19 +122,10 @@ __global__ void __launch_bounds__(kNumThreads) fwd_kernel(const FwdParams p) {
       const int64_t row_group = row_base / 16;
       const int j_last = shape.last_kv_tile(i, p.seqlen_q);
 
-      // Read O_i, m_i, l_i early: the loads fly while the tensor cores compute S_ij.
-      float o[kOTiles][4];
+      // m_i, l_i now (their loads fly while the tensor cores compute S_ij); O_i only after the
+      // softmax, when S_ij has shrunk to P~_ij in 16-bit, so S and O are never live together.
       float m_old[2] = {-INFINITY, -INFINITY}, l_old[2] = {0.f, 0.f};
-      if (j == 0) {
-#pragma unroll
-        for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < kOTiles; ++nt) {
-          const float4 v4 = *reinterpret_cast<const float4*>(
-              o_acc + frag_offset<kHeadDim>(row_group, nt, lane));
-          o[nt][0] = v4.x; o[nt][1] = v4.y; o[nt][2] = v4.z; o[nt][3] = v4.w;
-        }
+      if (j > 0) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           m_old[half] = m_run[row_base + g + 8 * half];
@@ -199,26 +195,38 @@ __global__ void __launch_bounds__(kNumThreads) fwd_kernel(const FwdParams p) {
         l_old[half] = l_new;
       }
 
+      // Two neighbouring S C-fragments are one A fragment of P~ (see common/mma.cuh).
+      uint32_t pa[Bc / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < Bc / 16; ++kk) {
+        pa[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        pa[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        pa[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      }
+
       // O_i <- diag(l_new)^-1 (diag(l_i) e^(m_i - m_new) O_i + P~ V_j).
+      float o[kOTiles][4];
 #pragma unroll
       for (int nt = 0; nt < kOTiles; ++nt) {
-        o[nt][0] *= scale_old[0]; o[nt][1] *= scale_old[0];
-        o[nt][2] *= scale_old[1]; o[nt][3] *= scale_old[1];
+        if (j == 0) {
+          o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+        } else {
+          const float4 v4 = *reinterpret_cast<const float4*>(
+              o_acc + frag_offset<kHeadDim>(row_group, nt, lane));
+          o[nt][0] = v4.x * scale_old[0]; o[nt][1] = v4.y * scale_old[0];
+          o[nt][2] = v4.z * scale_old[1]; o[nt][3] = v4.w * scale_old[1];
+        }
       }
 #pragma unroll
       for (int kk = 0; kk < Bc / 16; ++kk) {
-        // Two neighbouring S C-fragments are one A fragment of P~ (see common/mma.cuh).
-        const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]),
-                               pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                               pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                               pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
         for (int nn = 0; nn < kHeadDim / 16; ++nn) {
           uint32_t bv[4];
           ldmatrix_x4_trans(bv, sV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * P + nn * 16 +
                                     (lane / 16) * 8);
-          mma_16816<T>(o[2 * nn], a, bv[0], bv[1]);
-          mma_16816<T>(o[2 * nn + 1], a, bv[2], bv[3]);
+          mma_16816<T>(o[2 * nn], pa[kk], bv[0], bv[1]);
+          mma_16816<T>(o[2 * nn + 1], pa[kk], bv[2], bv[3]);
         }
       }
 #pragma unroll

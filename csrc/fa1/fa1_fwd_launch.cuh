@@ -10,22 +10,23 @@
 
 namespace flash::fa1 {
 
-// Q tiles per block. One block per (batch, head) walking all Tr tiles is the paper's grid; when
-// batch * heads is small (long sequences) that leaves most SMs idle, so the Q tiles are split
-// into slices until there are about kTargetBlocksPerSm resident blocks per SM, while keeping each
-// slice long enough that a K/V tile in shared memory serves several Q tiles.
+// Q tiles per block. The paper's grid is one block per (batch, head) walking all Tr tiles, which
+// leaves most SMs idle when batch * heads is small (long sequences), and whose running O per
+// block (Tr x 64 rows x d fp32) is far too large to stay in L2. Measured on an H200 (bf16,
+// d = 64 / 128, seqlen 2k and 16k; benchmarks/results/fa1_q_tiles_H200_2026-11-22.md): 2 tiles
+// per block beat 1 by 2-9% (K_j, V_j in shared memory serve two Q tiles) and beat 4 and 8 by
+// 10-40% (the running O of all resident blocks stops fitting in L2). Fewer only when the grid
+// would otherwise not fill the GPU.
 inline int fwd_q_tiles_per_block(int q_tiles, int64_t batch_heads, int num_sms) {
-  constexpr int kTargetBlocksPerSm = 4;
-  constexpr int kMaxTilesPerBlock = 8;
-  const int64_t target_blocks = int64_t(std::max(num_sms, 1)) * kTargetBlocksPerSm;
-  const int64_t slices_wanted = (target_blocks + batch_heads - 1) / batch_heads;
-  int tiles = int((q_tiles + slices_wanted - 1) / slices_wanted);
-  return std::clamp(tiles, 1, std::min(q_tiles, kMaxTilesPerBlock));
+  constexpr int kTilesPerBlock = 2;
+  const int64_t blocks_if_two = batch_heads * ((q_tiles + kTilesPerBlock - 1) / kTilesPerBlock);
+  if (blocks_if_two < 2 * int64_t(std::max(num_sms, 1))) return 1;
+  return std::min(q_tiles, kTilesPerBlock);
 }
 
-template <typename T, int kHeadDim>
-void run_fwd(const FwdParams& params, cudaStream_t stream) {
-  using Tile = FwdTile<kHeadDim>;
+template <typename T, int kHeadDim, bool kWide>
+void launch_fwd(const FwdParams& params, cudaStream_t stream) {
+  using Tile = FwdTile<kHeadDim, kWide>;
   FwdParams p = params;
   const int q_tiles = cdiv(p.seqlen_q, Tile::Br);
   const int64_t batch_heads = int64_t(p.batch) * p.heads;
@@ -36,13 +37,22 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
   const int64_t blocks = batch_heads * cdiv(q_tiles, p.q_tiles_per_block);
   if (blocks > int64_t(INT32_MAX)) throw std::runtime_error("flash_attn fa1: grid too large");
 
-  auto kernel = fwd_kernel<T, kHeadDim>;
+  auto kernel = fwd_kernel<T, kHeadDim, kWide>;
   if (Tile::kSmemBytes > 48 * 1024) {
     FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Tile::kSmemBytes));
   }
   kernel<<<unsigned(blocks), kNumThreads, Tile::kSmemBytes, stream>>>(p);
   FLASH_CHECK_LAUNCH();
+}
+
+template <typename T, int kHeadDim>
+void run_fwd(const FwdParams& params, cudaStream_t stream) {
+  // Only d > 64 has a wide variant (FwdTile); sm75 cannot give a block more than 64 KB.
+  if constexpr (kHeadDim > 64) {
+    if (params.arch >= 80) return launch_fwd<T, kHeadDim, true>(params, stream);
+  }
+  launch_fwd<T, kHeadDim, false>(params, stream);
 }
 
 }  // namespace flash::fa1

@@ -18,13 +18,16 @@ constexpr int kNumThreads = kNumWarps * 32;
 template <int kHeadDim>
 constexpr int kPitch = kHeadDim + 8;
 
-template <int kHeadDim>
+// kWide: the GPU has more than 64 KB of shared memory per block (sm80+).
+template <int kHeadDim, bool kWide>
 struct FwdTile {
   static constexpr int Br = 64;  // Q rows per tile: 4 warps x 16 rows
-  // K/V rows per tile. Registers: a warp holds S (16 x Bc) and O (16 x d) in fp32; at d = 128
-  // Bc = 64 keeps both under ~100 registers a thread. Shared memory: Q + K + V tiles
-  // = (Br + 2 Bc) * pitch * 2 bytes = 52 KB at d = 128, 46 KB at d = 64 with Bc = 128.
-  static constexpr int Bc = kHeadDim <= 64 ? 128 : 64;
+  // K/V rows per tile. Every step reads and writes the running O (Br x d fp32) in global
+  // memory, so the step's arithmetic per byte of that traffic grows with Bc: take the widest
+  // tile that fits. Shared memory, Q + K + V = (Br + 2 Bc) * pitch * 2 bytes: Bc = 128 is 46 KB
+  // at d = 64 but 87 KB at d = 128, past sm75's 64 KB, where d > 64 takes Bc = 64 (52 KB).
+  // Registers: a warp holds S (16 x Bc) and O (16 x d) in fp32, 128 a thread at Bc = d = 128.
+  static constexpr int Bc = (kHeadDim <= 64 || kWide) ? 128 : 64;
   static constexpr int kSmemBytes = (Br + 2 * Bc) * kPitch<kHeadDim> * 2;
 };
 
