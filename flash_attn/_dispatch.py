@@ -61,6 +61,26 @@ _BUILT_CACHE: dict = {}
 _ARCH_CACHE: dict = {}
 
 
+def built_archs() -> Tuple[int, ...]:
+    """The archs ``flash_attn._C`` has machine code for (the last also as PTX); () if the
+    extension predates ``built_archs`` (then nothing is ruled out by arch)."""
+    ext = _ops.extension()
+    archs = _BUILT_CACHE.get((ext, "archs"))
+    if archs is None:
+        archs = tuple(int(a) for a in getattr(ext, "built_archs", lambda: ())())
+        _BUILT_CACHE[(ext, "archs")] = archs
+    return archs
+
+
+def runs_here(arch: int) -> Optional[str]:
+    """None if this build has code that runs on ``arch``, else why not."""
+    archs = built_archs()
+    if not archs or build_matrix.runs_on(arch, archs):
+        return None
+    return (f"this build has machine code for {', '.join(f'sm{a}' for a in archs)} only, none of "
+            f"which runs on sm{arch}; rebuild with FLASH_ATTN_CUDA_ARCHS including {arch}")
+
+
 def built_configs() -> frozenset:
     """The kernels in ``flash_attn._C`` (``BuiltConfig``s); raises RuntimeError without it."""
     ext = _ops.extension()
@@ -198,8 +218,11 @@ def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Op
     wrapped in a dynamo error, so errors are returned here and raised by traced code."""
     try:
         built = built_configs()
+        wrong_arch = runs_here(arch)
     except RuntimeError as e:
         return ("", "RuntimeError", str(e))
+    if wrong_arch is not None:
+        return ("", "RuntimeError", f"flash_attn: {wrong_arch}")
     key = (arch, dtype, hdim, features, requested, need_bwd, built)
     decision = _DECISIONS.get(key)
     if decision is None:
@@ -249,6 +272,8 @@ def available_backends(device=None) -> List[str]:
     except RuntimeError:
         return []
     arch = device_arch(torch.cuda.current_device() if device is None else device)
+    if runs_here(arch) is not None:
+        return []
     return [f for f in build_matrix.PREFERENCE
             if f in build_matrix.FAMILIES and arch >= build_matrix.FAMILIES[f].min_arch
             and any(c.family == f and c.direction == "fwd" and c.min_arch <= arch for c in built)]

@@ -20,12 +20,14 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from . import build_matrix
+
 # The kernels exist for these dtypes only; the names are build_matrix's.
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 # flash_attn 2.x's limit; a family may stop earlier (``_dispatch`` says which one runs it).
 MAX_HEAD_DIM = 256
-# Turing: the oldest GPU with the tensor-core MMA every family is built on.
-MIN_ARCH = 75
+# The oldest GPU any family runs on (Turing's tensor-core MMA).
+MIN_ARCH = min(f.min_arch for f in build_matrix.FAMILIES.values())
 # Where the kernels run. Only tests change it, to drive the whole frontend on CPU tensors with a
 # pure-PyTorch stand-in for ``flash_attn._C`` (tests/conftest.py).
 KERNEL_DEVICE_TYPE = "cuda"
@@ -157,10 +159,11 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
     if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale must be a float or None, got "
                         f"{type(softmax_scale).__name__}")
-    # Comparisons, not math.isfinite: they also trace when torch.compile makes the float symbolic.
-    # NaN fails both.
-    if not 0.0 < softmax_scale < math.inf:
-        raise ValueError(f"softmax_scale must be a finite positive number (or None for "
+    # Any finite float, as in flash_attn 2.x (0 or a negative scale is odd but well defined).
+    # Comparisons, not math.isfinite: they also trace when torch.compile makes the float
+    # symbolic. NaN fails both.
+    if not -math.inf < softmax_scale < math.inf:
+        raise ValueError(f"softmax_scale must be a finite number (or None for "
                          f"1/sqrt(headdim)), got {softmax_scale}")
     return softmax_scale * 1.0 if isinstance(softmax_scale, int) else softmax_scale
 

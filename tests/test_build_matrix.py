@@ -23,8 +23,8 @@ def test_family_is_consistent(name):
     assert set(f.dtype_min_arch) <= set(M.DTYPES)
     assert all(a >= f.min_arch for a in f.dtype_min_arch.values())
     assert f.min_arch >= _validate.MIN_ARCH
-    # Every feature must be one the frontend computes (or "lse"), or dispatch could never see it.
-    assert f.features <= set(_validate.FEATURES) | {"lse"}, f.features
+    # Every feature must be one the frontend computes, or dispatch could never see it.
+    assert f.features <= set(_validate.FEATURES), f.features
     assert {"causal", "gqa"} <= f.features
 
 
@@ -86,8 +86,28 @@ def test_cuda_archs():
 
 
 def test_gencode_flags():
-    assert M.gencode_flags([75, 90]) == ["-gencode=arch=compute_75,code=sm_75",
-                                         "-gencode=arch=compute_90,code=sm_90"]
+    assert M.gencode_flags([90, 75]) == ["-gencode=arch=compute_75,code=sm_75",
+                                         "-gencode=arch=compute_90,code=sm_90",
+                                         "-gencode=arch=compute_90,code=compute_90"]
+
+
+@pytest.mark.parametrize("arch,built,runs", [
+    (90, [75, 80, 90], True),
+    (86, [75, 80, 90], True),    # sm80 machine code runs on sm86
+    (80, [90], False),           # sm90 code does not run on an A100
+    (75, [80, 90], False),
+    (89, [75, 90], False),       # no sm8x machine code, and older than the PTX
+    (100, [75, 80, 90], True),   # newer than every target: the sm90 PTX is JIT-compiled
+    (120, [80], True),
+])
+def test_runs_on(arch, built, runs):
+    assert M.runs_on(arch, built) is runs
+
+
+def test_write_sources_built_archs(tmp_path):
+    M.write_sources(tmp_path, M.selected_configs({"FLASH_ATTN_HDIMS": "64"}), archs=[90, 80])
+    text = (tmp_path / "built_archs.inc").read_text()
+    assert text.splitlines()[-1] == "80, 90"
 
 
 # ---- supports / kernel_hdim -------------------------------------------------------------------

@@ -15,7 +15,7 @@ import flash_attn
 from flash_attn import _dispatch as D, _ops, build_matrix
 from conftest import matrix_configs
 
-ALL = frozenset({"causal", "gqa", "lse", "local", "softcap", "alibi", "dropout"})
+ALL = frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout"})
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def three_families(monkeypatch):
         "fa2", 80, {"fp16": 80, "bf16": 80}, (32, 64, 96, 128, 160, 192, 256), ("fwd", "bwd"), ALL)
     families["fa3"] = build_matrix.Family(
         "fa3", 90, {"fp16": 90, "bf16": 90}, (64, 128, 256), ("fwd",),
-        frozenset({"causal", "gqa", "lse", "local", "softcap"}))
+        frozenset({"causal", "gqa", "local", "softcap"}))
     monkeypatch.setattr(build_matrix, "FAMILIES", families)
     D._DECISIONS.clear()
     return families
@@ -256,3 +256,16 @@ def test_decisions_are_memoised(fake_ext):
     n = len(D._DECISIONS)
     flash_attn.flash_attn_func(q, k, v)
     assert len(D._DECISIONS) == n == 1
+
+
+def test_build_without_code_for_this_arch(fake_ext, monkeypatch):
+    """A build for sm90 only cannot run on an sm80 GPU: a clear error, no launch, and
+    available_backends() says nothing runs."""
+    fake_ext.built_archs = lambda: [90]
+    D._BUILT_CACHE.clear()
+    D._DECISIONS.clear()
+    family, error, message = D._decide(80, "fp16", 64, frozenset(), None, False)
+    assert (family, error) == ("", "RuntimeError")
+    assert "sm90" in message and "sm80" in message and "FLASH_ATTN_CUDA_ARCHS" in message
+    assert D._decide(90, "fp16", 64, frozenset(), None, False)[0] == "fa1"
+    D._BUILT_CACHE.clear()

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -99,8 +100,10 @@ struct DeviceInfo {
 
 DeviceInfo device_info(const at::Tensor& t) {
   static DeviceInfo cache[64];
+  static std::mutex mutex;
   const int dev = t.device().index();
   TORCH_CHECK(dev >= 0 && dev < 64, "flash_attn: unsupported device index ", dev);
+  const std::lock_guard<std::mutex> lock(mutex);
   DeviceInfo& info = cache[dev];
   if (info.arch == 0) {
     int major = 0, minor = 0, sms = 0;
@@ -135,8 +138,20 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
   p.causal = causal;
   p.num_sms = device_info(q).num_sms;
   p.arch = device_info(q).arch;
-  // Tuning knob for benchmarks: Q tiles per FA1 forward block (0 or unset = automatic).
-  if (const char* env = std::getenv("FLASH_ATTN_FA1_Q_TILES")) p.q_tiles_per_block = std::atoi(env);
+  // Tuning knob for benchmarks (README): Q tiles per FA1 forward block, 0 or unset = automatic.
+  static const int q_tiles = [] {
+    const char* env = std::getenv("FLASH_ATTN_FA1_Q_TILES");
+    return env ? std::atoi(env) : 0;
+  }();
+  p.q_tiles_per_block = q_tiles;
+}
+
+// Scratch for one call, from PyTorch's caching allocator (no device synchronisation).
+at::Tensor alloc_workspace(flash::FwdParams& p, int64_t bytes, const at::Tensor& like) {
+  at::Tensor workspace = at::empty({bytes}, like.options().dtype(at::kByte));
+  p.workspace = workspace.data_ptr();
+  p.workspace_bytes = bytes;
+  return workspace;
 }
 
 void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -147,16 +162,20 @@ void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
   TORCH_CHECK(v.sizes() == k.sizes(), "flash_attn: k ", k.sizes(), " and v ", v.sizes(),
               " must have the same shape");
   TORCH_CHECK(k.size(3) == q.size(3), "flash_attn: q and k head dims differ");
-  TORCH_CHECK(q.size(3) % 8 == 0, "flash_attn: head dim must be a multiple of 8 here (the "
-              "frontend pads), got ", q.size(3));
+  TORCH_CHECK(q.size(3) > 0 && q.size(3) % 8 == 0, "flash_attn: head dim must be a positive "
+              "multiple of 8 here (the frontend pads), got ", q.size(3));
   TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "flash_attn: heads (", q.size(2),
               ") must be a multiple of kv heads (", k.size(2), ")");
-  TORCH_CHECK(q.size(1) <= std::numeric_limits<int>::max() &&
-                  k.size(1) <= std::numeric_limits<int>::max(),
-              "flash_attn: sequence length too long");
+  // Tile arithmetic such as (i + 1) * Br runs in int: keep a margin below INT_MAX.
+  constexpr int64_t kMaxSeqlen = std::numeric_limits<int>::max() - 1024;
+  TORCH_CHECK(q.size(1) <= kMaxSeqlen && k.size(1) <= kMaxSeqlen,
+              "flash_attn: sequence lengths up to ", kMaxSeqlen, " are supported, got ",
+              q.size(1), " and ", k.size(1));
 }
 
 void check_lse(const at::Tensor& lse, const at::Tensor& q) {
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device(), "flash_attn: lse is on ",
+              lse.device(), " but q is on ", q.device());
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
                   lse.sizes() == at::IntArrayRef({q.size(0), q.size(2), q.size(1)}),
               "flash_attn: lse must be contiguous float32 (batch, heads, seqlen_q)");
@@ -181,10 +200,8 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   fill_fwd(p, q, k, v, out, lse, softmax_scale, causal);
   at::Tensor workspace;
   if (family == "fa1") {
-    const int64_t bytes = flash::fa1::fwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kernel.hdim);
-    workspace = at::empty({bytes}, q.options().dtype(at::kByte));
-    p.workspace = workspace.data_ptr();
-    p.workspace_bytes = bytes;
+    workspace = alloc_workspace(
+        p, flash::fa1::fwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kernel.hdim), q);
   }
   kernel.fwd(p, c10::cuda::getCurrentCUDAStream().stream());
 }
@@ -226,12 +243,16 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   p.deterministic = deterministic;
   at::Tensor workspace;
   if (family == "fa1") {
-    const int64_t bytes = flash::fa1::bwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kernel.hdim);
-    workspace = at::empty({bytes}, q.options().dtype(at::kByte));
-    p.workspace = workspace.data_ptr();
-    p.workspace_bytes = bytes;
+    workspace = alloc_workspace(
+        p, flash::fa1::bwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kernel.hdim), q);
   }
   kernel.bwd(p, c10::cuda::getCurrentCUDAStream().stream());
+}
+
+std::vector<int> built_archs() {
+  return {
+#include "generated/built_archs.inc"
+  };
 }
 
 std::vector<std::tuple<std::string, std::string, std::string, int, int>> built_configs() {
@@ -253,4 +274,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("family"));
   m.def("built_configs", &built_configs,
         "(family, direction, dtype, hdim, min_arch) of every kernel in this build");
+  m.def("built_archs", &built_archs,
+        "compute capabilities (major*10+minor) with machine code in this build; the last also "
+        "as PTX");
 }

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kNumThreads) bwd_convert_dq_kernel(const BwdPa
 }
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kNumThreads) bwd_kernel(const BwdParams p, int kv_tiles_per_block) {
+__device__ __forceinline__ void bwd_block(const BwdParams& p, int kv_tiles_per_block) {
   using Tile = BwdTile<kHeadDim>;
   constexpr int Br = Tile::Br, Bc = Tile::Bc, P = kPitch<kHeadDim>, kDsPitch = Tile::kDsPitch;
   constexpr int kSTiles = Br / 8;        // n8 tiles across a warp's S^T row block (16 keys x Br)
@@ -301,6 +301,15 @@ __global__ void __launch_bounds__(kNumThreads) bwd_kernel(const BwdParams p, int
             pack2<T>(dv[nt][2 * half], dv[nt][2 * half + 1]);
       }
     }
+  }
+}
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kNumThreads) bwd_kernel(const BwdParams p, int kv_tiles_per_block) {
+  if constexpr (kCompileBody<T>) {
+    bwd_block<T, kHeadDim>(p, kv_tiles_per_block);
+  } else {
+    __trap();  // the dispatch sends bf16 to sm80+ only
   }
 }
 

@@ -20,6 +20,10 @@ template <typename T, int kHeadDim>
 void run_bwd(const BwdParams& params, cudaStream_t stream) {
   using Tile = BwdTile<kHeadDim>;
   BwdParams p = params;
+  if (p.workspace == nullptr ||
+      p.workspace_bytes < bwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kHeadDim)) {
+    throw std::runtime_error("flash_attn fa1: backward workspace missing or too small");
+  }
   const int64_t rows_pad = round_up(p.seqlen_q, kRowPad);
   const int64_t q_rows = int64_t(p.batch) * p.heads * rows_pad;
   // Scratch layout: dQ accumulator (fragment order), then D.

@@ -50,7 +50,7 @@ struct FwdShape {
 };
 
 template <typename T, int kHeadDim, bool kWide>
-__global__ void __launch_bounds__(kNumThreads) fwd_kernel(const FwdParams p) {
+__device__ __forceinline__ void fwd_block(const FwdParams& p) {
   using Tile = FwdTile<kHeadDim, kWide>;
   constexpr int Br = Tile::Br, Bc = Tile::Bc, P = kPitch<kHeadDim>;
   constexpr int kSTiles = Bc / 8;        // n8 tiles across a warp's S row block
@@ -273,6 +273,15 @@ __global__ void __launch_bounds__(kNumThreads) fwd_kernel(const FwdParams p) {
         }
       }
     }
+  }
+}
+
+template <typename T, int kHeadDim, bool kWide>
+__global__ void __launch_bounds__(kNumThreads) fwd_kernel(const FwdParams p) {
+  if constexpr (kCompileBody<T, kWide>) {
+    fwd_block<T, kHeadDim, kWide>(p);
+  } else {
+    __trap();  // run_fwd and the dispatch send bf16 and wide tiles to sm80+ only
   }
 }
 

@@ -12,11 +12,10 @@ namespace flash::fa1 {
 
 // Q tiles per block. The paper's grid is one block per (batch, head) walking all Tr tiles, which
 // leaves most SMs idle when batch * heads is small (long sequences), and whose running O per
-// block (Tr x 64 rows x d fp32) is far too large to stay in L2. Measured on an H200 (bf16,
-// d = 64 / 128, seqlen 2k and 16k; benchmarks/results/fa1_q_tiles_H200_2026-11-22.md): 2 tiles
-// per block beat 1 by 2-9% (K_j, V_j in shared memory serve two Q tiles) and beat 4 and 8 by
-// 10-40% (the running O of all resident blocks stops fitting in L2). Fewer only when the grid
-// would otherwise not fill the GPU.
+// block (Tr x 64 rows x d fp32) is far too large to stay in L2. Two tiles per block let K_j, V_j
+// in shared memory serve two Q tiles while the running O of all resident blocks still fits in
+// L2; more tiles spill it to HBM, which every step then reads and writes (the sweep is in
+// benchmarks/results/fa1_q_tiles_*.md). One tile only when the grid would not fill the GPU.
 inline int fwd_q_tiles_per_block(int q_tiles, int64_t batch_heads, int num_sms) {
   constexpr int kTilesPerBlock = 2;
   const int64_t blocks_if_two = batch_heads * ((q_tiles + kTilesPerBlock - 1) / kTilesPerBlock);
@@ -28,6 +27,10 @@ template <typename T, int kHeadDim, bool kWide>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim, kWide>;
   FwdParams p = params;
+  if (p.workspace == nullptr ||
+      p.workspace_bytes < fwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kHeadDim)) {
+    throw std::runtime_error("flash_attn fa1: forward workspace missing or too small");
+  }
   const int q_tiles = cdiv(p.seqlen_q, Tile::Br);
   const int64_t batch_heads = int64_t(p.batch) * p.heads;
   if (p.q_tiles_per_block <= 0) {

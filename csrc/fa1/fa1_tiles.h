@@ -73,4 +73,15 @@ __device__ __forceinline__ int64_t frag_offset(int64_t row_group, int n_tile, in
 
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
+// Kernel variants that need sm80 (bf16 MMA, or a block with more than 64 KB of shared memory)
+// are never launched on an older GPU, so their bodies are left out of the sm75 device pass:
+// build time and binary size, not behaviour.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr bool kDevicePassHasSm80 = false;
+#else
+constexpr bool kDevicePassHasSm80 = true;
+#endif
+template <typename T, bool kWide = false>
+constexpr bool kCompileBody = kDevicePassHasSm80 || !(std::is_same_v<T, __nv_bfloat16> || kWide);
+
 }  // namespace flash::fa1

@@ -297,6 +297,7 @@ int run(const Args& a) {
   p.causal = a.causal;
   p.workspace = d_fwd_ws.ptr, p.workspace_bytes = int64_t(d_fwd_ws.bytes);
   p.num_sms = sms;
+  p.arch = major * 10 + minor;
   p.q_tiles_per_block = a.q_tiles;
 
   fwd->fn(p, nullptr);
