@@ -1,5 +1,6 @@
 """What the two benchmark scripts share: the backends under test, error bookkeeping, metadata,
-file names and markdown. Imports only torch (and flash_attn, guarded), so it loads anywhere.
+file names, markdown, and main()'s run-and-write body (``run_and_report``). Imports only torch
+(and flash_attn, guarded), so it loads anywhere.
 
 Every backend is a function ``fn(q, k, v, causal) -> out`` on tensors in flash_attn's layout
 ``(batch, seqlen, nheads, headdim)``, so all of them get the same input and gradient tensors.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import json
 import platform
 import re
 import subprocess
@@ -366,3 +368,60 @@ def markdown_table(header: list[str], rows: list[list[str]], right_from: int) ->
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+# ---- main()'s body ----------------------------------------------------------------------------
+
+def run_and_report(name: str, args, device: torch.device, config: dict,
+                   run_cells: Callable[[list[Backend], list[dict], Callable[[], None]], None],
+                   render_markdown: Callable[[dict], str],
+                   plot: Callable[[dict, Path], bool]) -> int:
+    """What benchmark_<name>.py does once its arguments are parsed and its device checked: pick
+    the backends, run the cells, write <name>_<GPU>_<date>[...].{json,md,png} under
+    args.out_dir and print the markdown. Returns the exit code: 0, or 130 when Ctrl-C cut the
+    run short (what ran is still written, with "complete": false).
+
+    args: the parsed command line; seed, backends, dtype, out_dir, quick, tag and no_plot are
+    read. run_cells(backends, results, checkpoint) appends one dict per cell to results and
+    calls checkpoint() when the JSON is worth saving (a long run keeps what it measured).
+    render_markdown(report) is the exact text of the .md file and of stdout.
+    plot(report, path) says whether it wrote the PNG."""
+    t_start = time.time()
+    torch.manual_seed(args.seed)
+    fa, fa_error = load_flash_attn()
+    ours, ours_error = our_backend_names(fa, fa_error, device)
+    backends = make_backends(expand_backend_names(args.backends, ours), fa, ours, ours_error)
+    meta = metadata(device, fa, ours, ours_error)
+    report = dict(meta=meta, config=config,
+                  backends=[dict(name=b.name, kind=b.kind, unavailable=b.unavailable)
+                            for b in backends],
+                  results=[], complete=False)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / output_stem(name, meta, args.dtype, args.quick, args.tag)
+    json_path, md_path, png_path = (stem.with_suffix(s) for s in (".json", ".md", ".png"))
+    log(f"benchmark_{name}: {meta['device']}, {args.dtype}, backends "
+        f"{[b.name + ('' if b.fn else ' (unavailable)') for b in backends]}")
+    if ours_error:
+        log(f"flash_attn: {ours_error}; running the baselines only")
+    try:
+        run_cells(backends, report["results"], lambda: write_json(report, json_path))
+        report["complete"] = True
+    except KeyboardInterrupt:
+        log("interrupted: writing what ran")
+    meta["wall_s"] = round(time.time() - t_start, 1)
+    write_json(report, json_path)
+    md = render_markdown(report)
+    md_path.write_text(md)
+    print(md, end="")
+    wrote = [md_path, json_path]
+    if not args.no_plot and plot(report, png_path):
+        wrote.append(png_path)
+    log("wrote " + ", ".join(str(w) for w in wrote))
+    return 0 if report["complete"] else 130
+
+
+def write_json(report: dict, path: Path) -> None:
+    """Through a temporary file, so an interrupted write never leaves a truncated JSON."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)

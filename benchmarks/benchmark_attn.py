@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -334,12 +333,6 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
-def write_json(report: dict, path: Path) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(path)
-
-
 # ---- command line -----------------------------------------------------------------------------
 
 def _bools(text: str) -> list[bool]:
@@ -413,13 +406,6 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         C.log("benchmark_attn: no CUDA GPU visible; this benchmark needs one")
         return 2
-    t_start = time.time()
-    torch.manual_seed(args.seed)
-    fa, fa_error = C.load_flash_attn()
-    ours, ours_error = C.our_backend_names(fa, fa_error, device)
-    names = C.expand_backend_names(args.backends, ours)
-    backends = C.make_backends(names, fa, ours, ours_error)
-    meta = C.metadata(device, fa, ours, ours_error)
     config = dict(dtype=args.dtype, total_tokens=args.total_tokens, hidden=args.hidden,
                   seqlens=args.seqlens, hdims=args.hdims, causal=args.causal, modes=args.modes,
                   backends_requested=args.backends, reps=args.reps or "adaptive",
@@ -427,32 +413,11 @@ def main(argv=None) -> int:
                   warmup=args.warmup, seed=args.seed, timing=TIMING, flops=FLOPS,
                   check=f"forward output vs first of {list(REF_ORDER)} that runs; "
                         f"suspicious if relative Frobenius error > {CHECK_REL_TOL}")
-    report = dict(meta=meta, config=config,
-                  backends=[dict(name=b.name, kind=b.kind, unavailable=b.unavailable)
-                            for b in backends],
-                  results=[], complete=False)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / C.output_stem("attn", meta, args.dtype, args.quick, args.tag)
-    C.log(f"benchmark_attn: {meta['device']}, {args.dtype}, backends "
-          f"{[b.name + ('' if b.fn else ' (unavailable)') for b in backends]}")
-    if ours_error:
-        C.log(f"flash_attn: {ours_error}; timing the baselines only")
-    try:
-        Grid(args, device, backends, report["results"]).run(
-            lambda: write_json(report, stem.with_suffix(".json")))
-        report["complete"] = True
-    except KeyboardInterrupt:
-        C.log("interrupted: writing the cells that ran")
-    meta["wall_s"] = round(time.time() - t_start, 1)
-    write_json(report, stem.with_suffix(".json"))
-    md = render_markdown(report)
-    stem.with_suffix(".md").write_text(md + "\n")
-    print(md)
-    wrote = [stem.with_suffix(".md"), stem.with_suffix(".json")]
-    if not args.no_plot and plot(report, stem.with_suffix(".png")):
-        wrote.append(stem.with_suffix(".png"))
-    C.log("wrote " + ", ".join(str(w) for w in wrote))
-    return 0 if report["complete"] else 130
+    return C.run_and_report(
+        "attn", args, device, config,
+        lambda backends, results, checkpoint: Grid(args, device, backends, results).run(checkpoint),
+        # The .md file and stdout have always had one more newline than the report.
+        lambda report: render_markdown(report) + "\n", plot)
 
 
 if __name__ == "__main__":

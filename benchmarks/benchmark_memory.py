@@ -11,7 +11,6 @@ Writes benchmarks/results/memory_<GPU>_<date>.{md,json,png}; see benchmarks/READ
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -165,12 +164,6 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
-def write_json(report: dict, path: Path) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(path)
-
-
 # ---- command line -----------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -212,42 +205,13 @@ def main(argv=None) -> int:
         C.log("benchmark_memory: no CUDA GPU visible; this benchmark needs one")
         return 2
     device = torch.device("cuda")
-    t_start = time.time()
-    torch.manual_seed(args.seed)
-    fa, fa_error = C.load_flash_attn()
-    ours, ours_error = C.our_backend_names(fa, fa_error, device)
-    names = C.expand_backend_names(args.backends, ours)
-    backends = C.make_backends(names, fa, ours, ours_error)
-    meta = C.metadata(device, fa, ours, ours_error)
     config = dict(dtype=args.dtype, batch=args.batch, nheads=args.nheads, hdim=args.hdim,
                   causal=args.causal, seqlens=args.seqlens, backends_requested=args.backends,
                   seed=args.seed, method=METHOD)
-    report = dict(meta=meta, config=config,
-                  backends=[dict(name=b.name, kind=b.kind, unavailable=b.unavailable)
-                            for b in backends],
-                  results=[], complete=False)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / C.output_stem("memory", meta, args.dtype, args.quick, args.tag)
-    C.log(f"benchmark_memory: {meta['device']}, {args.dtype}, backends "
-          f"{[b.name + ('' if b.fn else ' (unavailable)') for b in backends]}")
-    if ours_error:
-        C.log(f"flash_attn: {ours_error}; measuring the baselines only")
-    try:
-        run(args, device, backends, report["results"],
-            lambda: write_json(report, stem.with_suffix(".json")))
-        report["complete"] = True
-    except KeyboardInterrupt:
-        C.log("interrupted: writing what ran")
-    meta["wall_s"] = round(time.time() - t_start, 1)
-    write_json(report, stem.with_suffix(".json"))
-    md = render_markdown(report)
-    stem.with_suffix(".md").write_text(md)
-    print(md, end="")
-    wrote = [stem.with_suffix(".md"), stem.with_suffix(".json")]
-    if not args.no_plot and plot(report, stem.with_suffix(".png")):
-        wrote.append(stem.with_suffix(".png"))
-    C.log("wrote " + ", ".join(str(w) for w in wrote))
-    return 0 if report["complete"] else 130
+    return C.run_and_report(
+        "memory", args, device, config,
+        lambda backends, results, checkpoint: run(args, device, backends, results, checkpoint),
+        render_markdown, plot)
 
 
 if __name__ == "__main__":
