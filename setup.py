@@ -7,6 +7,9 @@ FLASH_ATTN_CUDA_ARCHS / _FAMILIES / _HDIMS / _DTYPES; FLASH_ATTN_SKIP_CUDA_BUILD
 Python package alone. MAX_JOBS bounds parallel compile jobs; CUTLASS_DIR overrides where the
 CUTLASS headers come from (third_party/find_cutlass.py). Build with ``pip install -v`` to see the
 matrix being compiled and the build time.
+
+A wheel with the extension requires the torch minor release it was compiled against
+(``torch==X.Y.*``); a FLASH_ATTN_SKIP_CUDA_BUILD=1 wheel requires any torch.
 """
 
 from __future__ import annotations
@@ -46,6 +49,18 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _torch_requirement(torch) -> str:
+    """The torch an extension built against ``torch`` runs with: the same minor release.
+
+    torch's C++ ABI (the symbols flash_attn._C links against) changes between minor versions, so
+    the wheel must not let pip pair it with another one.
+    """
+    match = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    if match is None:
+        sys.exit(f"flash-attn: cannot read major.minor from torch version {torch.__version__!r}")
+    return f"torch=={match.group(1)}.{match.group(2)}.*"
+
+
 def _cuda_extension():
     """The CUDAExtension and its BuildExtension; imports torch, so only when building it."""
     build_matrix = _load_by_path("_flash_attn_build_matrix", ROOT / "flash_attn" / "build_matrix.py")
@@ -68,6 +83,7 @@ def _cuda_extension():
     except find_cutlass.CutlassNotFound as e:
         sys.exit(f"flash-attn: {e}")
 
+    torch_requirement = _torch_requirement(torch)
     configs = build_matrix.selected_configs()
     archs = build_matrix.cuda_archs()
     kernel_sources = build_matrix.write_sources(ROOT / "csrc" / "generated", configs)
@@ -79,7 +95,7 @@ def _cuda_extension():
     print(f"flash-attn {_version()}: building flash_attn._C for "
           f"{' '.join(f'sm{a}' for a in archs)}, {len(configs)} kernels "
           f"(torch {torch.__version__}, CUDA {torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME}, "
-          f"MAX_JOBS={os.environ.get('MAX_JOBS', 'all cores')}):")
+          f"MAX_JOBS={os.environ.get('MAX_JOBS', 'all cores')}); the wheel requires {torch_requirement}:")
     for c in configs:
         print(f"  {c.family} {c.direction} {c.dtype} hdim{c.hdim}")
     print(f"  CUTLASS: {cutlass_include}")
@@ -117,22 +133,24 @@ def _cuda_extension():
                       f"({len(configs)} kernels x {len(archs)} archs) in "
                       f"{time.perf_counter() - start:.1f} s")
 
-    return extension, TimedBuildExtension.with_options(use_ninja=True)
+    return extension, TimedBuildExtension.with_options(use_ninja=True), torch_requirement
 
 
+# pyproject.toml declares `dependencies` dynamic: they are these install_requires.
 if _flag("FLASH_ATTN_SKIP_CUDA_BUILD"):
-    ext_modules, cmdclass = [], {}
+    ext_modules, cmdclass, install_requires = [], {}, ["torch"]
     # An extension left in build/lib by an earlier full build would otherwise ship in this wheel.
     for stale in glob.glob("build/lib*/flash_attn/_C*.so"):
         os.remove(stale)
 else:
-    _extension, _build_ext = _cuda_extension()
-    ext_modules, cmdclass = [_extension], {"build_ext": _build_ext}
+    _extension, _build_ext, _torch_req = _cuda_extension()
+    ext_modules, cmdclass, install_requires = [_extension], {"build_ext": _build_ext}, [_torch_req]
 
 setup(
     version=_version(),
     packages=["flash_attn"],
     include_package_data=False,
+    install_requires=install_requires,
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     zip_safe=False,
