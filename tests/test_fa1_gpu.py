@@ -418,3 +418,45 @@ def test_compile_fullgraph_forward_backward():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
     for g, ge in zip(grads, eager_grads):
         assert torch.equal(g, ge)
+
+
+# ---- bad input on the GPU: a Python exception before any launch, and the GPU stays usable -----
+
+def _bad_calls():
+    h = torch.float16
+    q, k, v = (_randn(1, 64, 4, 64, dtype=h) for _ in range(3))
+    return [
+        ("dtype float32", lambda: flash_attn.flash_attn_func(q.float(), k.float(), v.float()),
+         TypeError),
+        ("mixed dtypes", lambda: flash_attn.flash_attn_func(q, k.bfloat16(), v), (TypeError, ValueError)),
+        ("cpu k", lambda: flash_attn.flash_attn_func(q, k.cpu(), v), ValueError),
+        ("3-d q", lambda: flash_attn.flash_attn_func(q[0], k, v), ValueError),
+        ("heads 4 vs 3", lambda: flash_attn.flash_attn_func(q, k[:, :, :3], v[:, :, :3]), ValueError),
+        ("k/v seqlen", lambda: flash_attn.flash_attn_func(q, k, v[:, :32]), ValueError),
+        ("head dim 136 on fa1", lambda: flash_attn.flash_attn_func(
+            _randn(1, 64, 4, 136, dtype=h), _randn(1, 64, 4, 136, dtype=h),
+            _randn(1, 64, 4, 136, dtype=h), backend=BACKEND), NotImplementedError),
+        ("dropout on fa1", lambda: flash_attn.flash_attn_func(q, k, v, dropout_p=0.1,
+                                                               backend=BACKEND), NotImplementedError),
+        ("window on fa1", lambda: flash_attn.flash_attn_func(q, k, v, window_size=(8, 8),
+                                                              backend=BACKEND), NotImplementedError),
+        ("lse on the CPU, straight into the extension", lambda: importlib.import_module(
+            "flash_attn._C").fwd(q, k, v, torch.empty_like(q),
+                                 torch.empty(1, 4, 64, dtype=torch.float32), 0.125, False, BACKEND),
+         RuntimeError),
+    ]
+
+
+def test_bad_input_raises_and_gpu_stays_usable():
+    for name, call, error in _bad_calls():
+        with pytest.raises(error):
+            call()
+        torch.cuda.synchronize()  # would raise if anything had faulted on the device
+    run_case(1, 100, 130, 4, 2, 64, True, torch.float16)
+
+
+# ---- a long sequence: many K/V steps through the running O in global memory --------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_sequence(causal):
+    run_case(1, 8192, 8192, 2, 1, 128, causal, torch.bfloat16)
