@@ -96,11 +96,10 @@ __global__ void __launch_bounds__(kNumThreads) bwd_convert_dq_kernel(const BwdPa
   }
 }
 
-template <typename T, int kHeadDim, bool kWide>
+template <typename T, int kHeadDim>
 __device__ __forceinline__ void bwd_block(const BwdParams& p, int kv_tiles_per_block) {
-  using Tile = BwdTile<kHeadDim, kWide>;
+  using Tile = BwdTile<kHeadDim>;
   constexpr int Br = Tile::Br, Bc = Tile::Bc, P = kPitch<kHeadDim>, kDsPitch = Tile::kDsPitch;
-  constexpr int kStages = Tile::kStages;
   constexpr int kSTiles = Br / 8;        // n8 tiles across a warp's S^T row block (16 keys x Br)
   constexpr int kDTiles = kHeadDim / 8;  // n8 tiles across a warp's dK / dV row block
   // dQ_i (Br x d) split over the warps: kRowGroups groups of 16 rows, kColSplit column slices.
@@ -112,9 +111,9 @@ __device__ __forceinline__ void bwd_block(const BwdParams& p, int kv_tiles_per_b
   extern __shared__ __align__(16) char smem[];
   T* sK = reinterpret_cast<T*>(smem);        // (Bc, d)
   T* sV = sK + Bc * P;                       // (Bc, d)
-  T* sQ = sV + Bc * P;                       // (kStages, Br, d)
-  T* sdO = sQ + kStages * Br * P;            // (kStages, Br, d)
-  T* sdSt = sdO + kStages * Br * P;          // dS^T: (Bc, Br)
+  T* sQ = sV + Bc * P;                       // (Br, d)
+  T* sdO = sQ + Br * P;                      // (Br, d)
+  T* sdSt = sdO + Br * P;                    // dS^T: (Bc, Br)
   float* s_lse2 = reinterpret_cast<float*>(sdSt + Bc * kDsPitch);  // (Br) LSE * log2(e)
   float* s_dsum = s_lse2 + Br;                                     // (Br) D
 
@@ -153,151 +152,135 @@ __device__ __forceinline__ void bwd_block(const BwdParams& p, int kv_tiles_per_b
     load_tile<T, Bc, kHeadDim>(sV, v_head, p.v_strides.row, j * Bc, p.seqlen_k, p.head_dim, tid);
     copy_async_commit();  // waited on with the first Q_i, or below when no query sees tile j
 
-    // Step s visits query head hk * group + s / q_tiles and its Q tile i_first + s % q_tiles.
-    const int q_tiles = max(0, Tr - i_first);
-    const int steps = group * q_tiles;
-    auto load_q_do = [&](int s, int stage) {
-      const int h = hk * group + s / q_tiles, i = i_first + s % q_tiles;
-      load_tile<T, Br, kHeadDim>(
-          sQ + stage * Br * P, static_cast<const T*>(p.q) + b * p.q_strides.batch +
-          h * p.q_strides.head, p.q_strides.row, i * Br, p.seqlen_q, p.head_dim, tid);
-      load_tile<T, Br, kHeadDim>(
-          sdO + stage * Br * P, static_cast<const T*>(p.dout) + b * p.do_strides.batch +
-          h * p.do_strides.head, p.do_strides.row, i * Br, p.seqlen_q, p.head_dim, tid);
-    };
-    if constexpr (kStages == 2) {
-      if (steps > 0) load_q_do(0, 0);
-      copy_async_commit();
-    }
-
-    for (int s = 0; s < steps; ++s) {
-      const int h = hk * group + s / q_tiles, i = i_first + s % q_tiles;
-      const int stage = kStages == 2 ? s % 2 : 0;
+    for (int h = hk * group; h < (hk + 1) * group; ++h) {
       const int64_t bh = int64_t(b) * p.heads + h;
+      const T* q_head = static_cast<const T*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head;
+      const T* do_head =
+          static_cast<const T*>(p.dout) + b * p.do_strides.batch + h * p.do_strides.head;
       float* dq_acc = p.dq_accum + bh * rows_pad * kHeadDim;
-      const T* sQi = sQ + stage * Br * P;
-      const T* sdOi = sdO + stage * Br * P;
-      __syncthreads();  // every warp is done with step s - 1: its Q / dO stage, dS^T, LSE, D
-      if constexpr (kStages == 2) {
-        if (s + 1 < steps) load_q_do(s + 1, stage ^ 1);  // lands while step s computes
-      } else {
-        load_q_do(s, 0);
-      }
-      copy_async_commit();
-      if (tid < Br) {
-        // Rows past seqlen_q get LSE = +inf, so their P is exactly 0.
-        const int r = i * Br + tid;
-        s_lse2[tid] = r < p.seqlen_q ? p.lse[bh * p.seqlen_q + r] * float(M_LOG2E) : INFINITY;
-        s_dsum[tid] = p.dsum[bh * rows_pad + r];
-      }
-      copy_async_wait<kStages - 1>();  // K_j, V_j and step s's Q_i, dO_i have landed
-      __syncthreads();
 
-      // S^T = K_j Q_i^T and dP^T = V_j dO_i^T for this warp's 16 keys: (16, Br) each.
-      float st[kSTiles][4], dpt[kSTiles][4];
-#pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
-      }
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        uint32_t ak[4], av[4];
-        ldmatrix_x4(ak, sK + (warp * 16 + lane % 16) * P + kk * 16 + (lane / 16) * 8);
-        ldmatrix_x4(av, sV + (warp * 16 + lane % 16) * P + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-        for (int nn = 0; nn < Br / 16; ++nn) {
-          const int off = (nn * 16 + lane % 8 + (lane / 16) * 8) * P + kk * 16 +
-                          ((lane / 8) % 2) * 8;
-          uint32_t bq[4], bdo[4];
-          ldmatrix_x4(bq, sQi + off);
-          ldmatrix_x4(bdo, sdOi + off);
-          mma_16816<T>(st[2 * nn], ak, bq[0], bq[1]);
-          mma_16816<T>(st[2 * nn + 1], ak, bq[2], bq[3]);
-          mma_16816<T>(dpt[2 * nn], av, bdo[0], bdo[1]);
-          mma_16816<T>(dpt[2 * nn + 1], av, bdo[2], bdo[3]);
+      for (int i = i_first; i < Tr; ++i) {
+        __syncthreads();  // every warp is done with Q_i, dO_i, dS^T of the previous step
+        load_tile<T, Br, kHeadDim>(sQ, q_head, p.q_strides.row, i * Br, p.seqlen_q, p.head_dim,
+                                   tid);
+        load_tile<T, Br, kHeadDim>(sdO, do_head, p.do_strides.row, i * Br, p.seqlen_q,
+                                   p.head_dim, tid);
+        copy_async_commit();
+        if (tid < Br) {
+          // Rows past seqlen_q get LSE = +inf, so their P is exactly 0.
+          const int r = i * Br + tid;
+          s_lse2[tid] = r < p.seqlen_q ? p.lse[bh * p.seqlen_q + r] * float(M_LOG2E) : INFINITY;
+          s_dsum[tid] = p.dsum[bh * rows_pad + r];
         }
-      }
+        copy_async_wait<0>();
+        __syncthreads();
 
-      // P^T = exp2(scale_log2 S^T - LSE2) (0 where masked); dS^T = P^T o (dP^T - D).
-      const bool masked =
-          (j + 1) * Bc > p.seqlen_k || (p.causal && (j + 1) * Bc - 1 > i * Br + diag);
+        // S^T = K_j Q_i^T and dP^T = V_j dO_i^T for this warp's 16 keys: (16, Br) each.
+        float st[kSTiles][4], dpt[kSTiles][4];
 #pragma unroll
-      for (int nt = 0; nt < kSTiles; ++nt) {
+        for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int q_local = nt * 8 + 2 * t + (e % 2);
-          float pr = exp2f(st[nt][e] * p.softmax_scale_log2 - s_lse2[q_local]);
-          if (masked) {
-            const int key = j * Bc + warp * 16 + g + 8 * (e / 2);
-            if (key >= p.seqlen_k || (p.causal && key > i * Br + q_local + diag)) pr = 0.f;
+          for (int e = 0; e < 4; ++e) st[nt][e] = dpt[nt][e] = 0.f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          uint32_t ak[4], av[4];
+          ldmatrix_x4(ak, sK + (warp * 16 + lane % 16) * P + kk * 16 + (lane / 16) * 8);
+          ldmatrix_x4(av, sV + (warp * 16 + lane % 16) * P + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+          for (int nn = 0; nn < Br / 16; ++nn) {
+            const int off = (nn * 16 + lane % 8 + (lane / 16) * 8) * P + kk * 16 +
+                            ((lane / 8) % 2) * 8;
+            uint32_t bq[4], bdo[4];
+            ldmatrix_x4(bq, sQ + off);
+            ldmatrix_x4(bdo, sdO + off);
+            mma_16816<T>(st[2 * nn], ak, bq[0], bq[1]);
+            mma_16816<T>(st[2 * nn + 1], ak, bq[2], bq[3]);
+            mma_16816<T>(dpt[2 * nn], av, bdo[0], bdo[1]);
+            mma_16816<T>(dpt[2 * nn + 1], av, bdo[2], bdo[3]);
           }
-          st[nt][e] = pr;
-          dpt[nt][e] = pr * (dpt[nt][e] - s_dsum[q_local]);
         }
-      }
 
-      // dV_j += P^T dO_i and dK_j += dS^T Q_i; P^T and dS^T feed the MMA from registers.
+        // P^T = exp2(scale_log2 S^T - LSE2) (0 where masked); dS^T = P^T o (dP^T - D).
+        const bool masked =
+            (j + 1) * Bc > p.seqlen_k || (p.causal && (j + 1) * Bc - 1 > i * Br + diag);
 #pragma unroll
-      for (int kk = 0; kk < Br / 16; ++kk) {
-        const uint32_t ap[4] = {pack2<T>(st[2 * kk][0], st[2 * kk][1]),
-                                pack2<T>(st[2 * kk][2], st[2 * kk][3]),
-                                pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                                pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-        const uint32_t ads[4] = {pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]),
-                                 pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
-                                 pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                                 pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
-        // dS^T also goes to shared memory for dQ: rows = keys, columns = queries.
-        T* ds_row = sdSt + (warp * 16 + g) * kDsPitch + kk * 16 + 2 * t;
-        *reinterpret_cast<uint32_t*>(ds_row) = ads[0];
-        *reinterpret_cast<uint32_t*>(ds_row + 8 * kDsPitch) = ads[1];
-        *reinterpret_cast<uint32_t*>(ds_row + 8) = ads[2];
-        *reinterpret_cast<uint32_t*>(ds_row + 8 * kDsPitch + 8) = ads[3];
+        for (int nt = 0; nt < kSTiles; ++nt) {
 #pragma unroll
-        for (int nn = 0; nn < kHeadDim / 16; ++nn) {
-          const int off = (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * P + nn * 16 +
-                          (lane / 16) * 8;
-          uint32_t bdo[4], bq[4];
-          ldmatrix_x4_trans(bdo, sdOi + off);
-          ldmatrix_x4_trans(bq, sQi + off);
-          mma_16816<T>(dv[2 * nn], ap, bdo[0], bdo[1]);
-          mma_16816<T>(dv[2 * nn + 1], ap, bdo[2], bdo[3]);
-          mma_16816<T>(dk[2 * nn], ads, bq[0], bq[1]);
-          mma_16816<T>(dk[2 * nn + 1], ads, bq[2], bq[3]);
+          for (int e = 0; e < 4; ++e) {
+            const int q_local = nt * 8 + 2 * t + (e % 2);
+            float pr = exp2f(st[nt][e] * p.softmax_scale_log2 - s_lse2[q_local]);
+            if (masked) {
+              const int key = j * Bc + warp * 16 + g + 8 * (e / 2);
+              if (key >= p.seqlen_k || (p.causal && key > i * Br + q_local + diag)) pr = 0.f;
+            }
+            st[nt][e] = pr;
+            dpt[nt][e] = pr * (dpt[nt][e] - s_dsum[q_local]);
+          }
         }
-      }
-      __syncthreads();  // dS^T complete in shared memory
 
-      // dQ_i += dS K_j (the softmax scale is applied once, in the convert kernel).
-      const int rg = warp % kRowGroups, col0 = (warp / kRowGroups) * kDqCols;
-      float dq[kDqCols / 8][4];
+        // dV_j += P^T dO_i and dK_j += dS^T Q_i; P^T and dS^T feed the MMA from registers.
 #pragma unroll
-      for (int nt = 0; nt < kDqCols / 8; ++nt) dq[nt][0] = dq[nt][1] = dq[nt][2] = dq[nt][3] = 0.f;
+        for (int kk = 0; kk < Br / 16; ++kk) {
+          const uint32_t ap[4] = {pack2<T>(st[2 * kk][0], st[2 * kk][1]),
+                                  pack2<T>(st[2 * kk][2], st[2 * kk][3]),
+                                  pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                                  pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+          const uint32_t ads[4] = {pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]),
+                                   pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
+                                   pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                                   pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+          // dS^T also goes to shared memory for dQ: rows = keys, columns = queries.
+          T* ds_row = sdSt + (warp * 16 + g) * kDsPitch + kk * 16 + 2 * t;
+          *reinterpret_cast<uint32_t*>(ds_row) = ads[0];
+          *reinterpret_cast<uint32_t*>(ds_row + 8 * kDsPitch) = ads[1];
+          *reinterpret_cast<uint32_t*>(ds_row + 8) = ads[2];
+          *reinterpret_cast<uint32_t*>(ds_row + 8 * kDsPitch + 8) = ads[3];
 #pragma unroll
-      for (int kk = 0; kk < Bc / 16; ++kk) {
-        uint32_t a[4];
-        ldmatrix_x4_trans(a, sdSt + (kk * 16 + lane % 8 + (lane / 16) * 8) * kDsPitch +
-                                 rg * 16 + ((lane / 8) % 2) * 8);
-#pragma unroll
-        for (int nn = 0; nn < kDqCols / 16; ++nn) {
-          uint32_t bk[4];
-          ldmatrix_x4_trans(bk, sK + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * P + col0 +
-                                    nn * 16 + (lane / 16) * 8);
-          mma_16816<T>(dq[2 * nn], a, bk[0], bk[1]);
-          mma_16816<T>(dq[2 * nn + 1], a, bk[2], bk[3]);
+          for (int nn = 0; nn < kHeadDim / 16; ++nn) {
+            const int off = (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * P + nn * 16 +
+                            (lane / 16) * 8;
+            uint32_t bdo[4], bq[4];
+            ldmatrix_x4_trans(bdo, sdO + off);
+            ldmatrix_x4_trans(bq, sQ + off);
+            mma_16816<T>(dv[2 * nn], ap, bdo[0], bdo[1]);
+            mma_16816<T>(dv[2 * nn + 1], ap, bdo[2], bdo[3]);
+            mma_16816<T>(dk[2 * nn], ads, bq[0], bq[1]);
+            mma_16816<T>(dk[2 * nn + 1], ads, bq[2], bq[3]);
+          }
         }
-      }
-      const int64_t row_group = int64_t(i) * kRowGroups + rg;
+        __syncthreads();  // dS^T complete in shared memory
+
+        // dQ_i += dS K_j (the softmax scale is applied once, in the convert kernel).
+        const int rg = warp % kRowGroups, col0 = (warp / kRowGroups) * kDqCols;
+        float dq[kDqCols / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < kDqCols / 8; ++nt) {
-        float* dst = dq_acc + frag_offset<kHeadDim>(row_group, col0 / 8 + nt, lane);
+        for (int nt = 0; nt < kDqCols / 8; ++nt) dq[nt][0] = dq[nt][1] = dq[nt][2] = dq[nt][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < Bc / 16; ++kk) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, sdSt + (kk * 16 + lane % 8 + (lane / 16) * 8) * kDsPitch +
+                                   rg * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+          for (int nn = 0; nn < kDqCols / 16; ++nn) {
+            uint32_t bk[4];
+            ldmatrix_x4_trans(bk, sK + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * P + col0 +
+                                      nn * 16 + (lane / 16) * 8);
+            mma_16816<T>(dq[2 * nn], a, bk[0], bk[1]);
+            mma_16816<T>(dq[2 * nn + 1], a, bk[2], bk[3]);
+          }
+        }
+        const int64_t row_group = int64_t(i) * kRowGroups + rg;
+#pragma unroll
+        for (int nt = 0; nt < kDqCols / 8; ++nt) {
+          float* dst = dq_acc + frag_offset<kHeadDim>(row_group, col0 / 8 + nt, lane);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        atomicAdd(reinterpret_cast<float4*>(dst), make_float4(dq[nt][0], dq[nt][1], dq[nt][2], dq[nt][3]));
+          atomicAdd(reinterpret_cast<float4*>(dst), make_float4(dq[nt][0], dq[nt][1], dq[nt][2], dq[nt][3]));
 #else
 #pragma unroll
-        for (int e = 0; e < 4; ++e) atomicAdd(dst + e, dq[nt][e]);
+          for (int e = 0; e < 4; ++e) atomicAdd(dst + e, dq[nt][e]);
 #endif
+        }
       }
     }
 
@@ -321,12 +304,12 @@ __device__ __forceinline__ void bwd_block(const BwdParams& p, int kv_tiles_per_b
   }
 }
 
-template <typename T, int kHeadDim, bool kWide>
+template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kNumThreads) bwd_kernel(const BwdParams p, int kv_tiles_per_block) {
-  if constexpr (kCompileBody<T, kWide>) {
-    bwd_block<T, kHeadDim, kWide>(p, kv_tiles_per_block);
+  if constexpr (kCompileBody<T>) {
+    bwd_block<T, kHeadDim>(p, kv_tiles_per_block);
   } else {
-    __trap();  // run_bwd and the dispatch send bf16 and the wide tile to sm80+ only
+    __trap();  // the dispatch sends bf16 to sm80+ only
   }
 }
 

@@ -16,9 +16,9 @@ inline unsigned helper_blocks(int64_t threads_needed, int num_sms) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(std::max(num_sms, 1)) * 16)));
 }
 
-template <typename T, int kHeadDim, bool kWide>
-void launch_bwd(const BwdParams& params, cudaStream_t stream) {
-  using Tile = BwdTile<kHeadDim, kWide>;
+template <typename T, int kHeadDim>
+void run_bwd(const BwdParams& params, cudaStream_t stream) {
+  using Tile = BwdTile<kHeadDim>;
   BwdParams p = params;
   if (p.workspace == nullptr ||
       p.workspace_bytes < bwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kHeadDim)) {
@@ -41,7 +41,7 @@ void launch_bwd(const BwdParams& params, cudaStream_t stream) {
   const int64_t blocks =
       int64_t(p.batch) * p.heads_k * cdiv(kv_tiles, kv_tiles_per_block);
   if (blocks > int64_t(INT32_MAX)) throw std::runtime_error("flash_attn fa1: grid too large");
-  auto kernel = bwd_kernel<T, kHeadDim, kWide>;
+  auto kernel = bwd_kernel<T, kHeadDim>;
   if (Tile::kSmemBytes > 48 * 1024) {
     FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Tile::kSmemBytes));
@@ -52,13 +52,6 @@ void launch_bwd(const BwdParams& params, cudaStream_t stream) {
   bwd_convert_dq_kernel<T, kHeadDim>
       <<<helper_blocks(q_rows / 16 * (kHeadDim / 8) * 32, p.num_sms), kNumThreads, 0, stream>>>(p);
   FLASH_CHECK_LAUNCH();
-}
-
-template <typename T, int kHeadDim>
-void run_bwd(const BwdParams& params, cudaStream_t stream) {
-  // sm75 cannot give a block more than 64 KB: one Q / dO buffer there (BwdTile).
-  if (params.arch >= 80) return launch_bwd<T, kHeadDim, true>(params, stream);
-  launch_bwd<T, kHeadDim, false>(params, stream);
 }
 
 }  // namespace flash::fa1

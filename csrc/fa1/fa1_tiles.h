@@ -31,21 +31,15 @@ struct FwdTile {
   static constexpr int kSmemBytes = (Br + 2 * Bc) * kPitch<kHeadDim> * 2;
 };
 
-// kWide: more than 64 KB of shared memory per block (sm80+) buys a second Q / dO buffer.
-template <int kHeadDim, bool kWide>
+template <int kHeadDim>
 struct BwdTile {
   static constexpr int Bc = 64;  // K/V rows per tile: 4 warps x 16 rows, dK and dV in registers
-  // Q rows per tile. Registers, not shared memory, bound it: each warp holds S^T and dP^T
-  // (16 x Br fp32) next to dK and dV (16 x d fp32 each), already 255 registers at d = 128 with
-  // Br = 32.
+  // Q rows per tile. Shared memory: K, V (Bc rows), Q, dO (Br rows), dS^T (Bc x Br) and the
+  // per-row lse / D. At d = 128, Br = 64 would need 79 KB, past sm75's 64 KB; Br = 32 fits in 57.
   static constexpr int Br = kHeadDim <= 96 ? 64 : 32;
-  // Q_i / dO_i buffers: with two, the next step's tiles load while this one computes.
-  // Shared memory, K + V + stages * (Q + dO) + dS^T + LSE / D: one stage is 57 KB at d = 128 and
-  // 62 KB at d = 96 (inside sm75's 64 KB); two are 75 and 89 KB.
-  static constexpr int kStages = kWide ? 2 : 1;
   static constexpr int kDsPitch = Br + 8;
-  static constexpr int kSmemBytes = (2 * Bc + 2 * kStages * Br) * kPitch<kHeadDim> * 2 +
-                                    Bc * kDsPitch * 2 + 2 * Br * 4;
+  static constexpr int kSmemBytes =
+      (2 * Bc + 2 * Br) * kPitch<kHeadDim> * 2 + Bc * kDsPitch * 2 + 2 * Br * 4;
 };
 
 // Loads rows [row0, row0 + Rows) of one head of a (b, s, h, d) tensor into a padded
