@@ -370,6 +370,18 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None (logged) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot")
+        return None
+    return plt
+
+
 # ---- main()'s body ----------------------------------------------------------------------------
 
 def run_and_report(name: str, args, device: torch.device, config: dict,

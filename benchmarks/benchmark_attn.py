@@ -282,12 +282,8 @@ def render_markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        C.log("matplotlib is not installed: no plot")
+    plt = C.pyplot()
+    if plt is None:
         return False
     cfg = report["config"]
     names = [b["name"] for b in report["backends"]]

@@ -120,12 +120,8 @@ def render_markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        C.log("matplotlib is not installed: no plot")
+    plt = C.pyplot()
+    if plt is None:
         return False
     cfg, meta = report["config"], report["meta"]
     kinds = {b["name"]: b["kind"] for b in report["backends"]}

@@ -32,7 +32,8 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     pad = -head_dim % 8
     if pad:
         q, k, v = (F.pad(t, [0, pad]) for t in (q, k, v))
-    # As flash_attn 2.x: a non-contiguous last dim is copied, not an error.
+    # As flash_attn 2.x: a non-contiguous last dim is copied, not an error. Done here, before
+    # the op, so the op saves the copy for backward instead of copying again there.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = torch.ops.flash_attn.fwd(q, k, v, call.softmax_scale, call.causal,
                                         bool(deterministic), family)
