@@ -7,6 +7,17 @@
 
 namespace flash {
 
+// Where the Philox seed and offset come from. Outside CUDA graph capture they are values; under
+// capture torch hands out device pointers (read when the graph replays) plus an offset within
+// the graph, so a replay draws fresh numbers without re-recording. Resolved on the device by
+// philox_seed_offset() in common/philox.cuh.
+struct PhiloxArgs {
+  uint64_t seed = 0, offset = 0;
+  const int64_t* seed_ptr = nullptr;    // non-null: read seed (and offset) from the device
+  const int64_t* offset_ptr = nullptr;
+  uint64_t offset_intragraph = 0;       // added to *offset_ptr
+};
+
 // Strides of a (batch, seqlen, heads, headdim) tensor whose last dim is contiguous.
 struct Strides {
   int64_t batch = 0;
@@ -27,8 +38,37 @@ struct FwdParams {
   int head_dim = 0;  // the real head dim (<= the kernel's kHeadDim)
 
   float softmax_scale = 0.f;       // applied to q.k
-  float softmax_scale_log2 = 0.f;  // softmax_scale * log2(e): the kernels work in exp2
-  bool causal = false;             // aligned to the bottom-right corner
+  // The kernels keep a "score" per (row, key) and exponentiate it in base 2:
+  //   no softcap: score = q.k,                            logit = score * softmax_scale
+  //   softcap:    score = tanh(q.k * softcap_prescale),   logit = score * softcap
+  // softmax_scale_log2 = log2(e) * (softmax_scale or softcap) turns a score into a logit in
+  // base 2, so p = exp2(score * softmax_scale_log2 - max) and lse = (max + log2(sum)) * ln(2).
+  float softmax_scale_log2 = 0.f;
+  float softcap = 0.f;             // 0: off
+  float softcap_prescale = 0.f;    // softmax_scale / softcap
+
+  // Visible keys of query row i, with diag = i + seqlen_k - seqlen_q (bottom-right aligned):
+  // diag - window_left <= j <= diag + window_right, -1 meaning unbounded on that side.
+  // causal is window_right = 0; the API layer sets both fields consistently.
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+
+  // ALiBi: logit += -slope * |diag - j|. fp32 slope of (b, h) at b * alibi_batch_stride + h
+  // (stride 0 for slopes of shape (heads,)). nullptr: off.
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
+
+  // Dropout on the probabilities (not on the lse). An element is kept iff a 16-bit Philox
+  // draw is below keep_threshold (= round((1 - dropout_p) * 65536)); kept values are scaled by
+  // rp_keep = 1 / (1 - dropout_p). See common/philox.cuh for which draw belongs to which
+  // (row, key). dropout_p == 0: off.
+  float dropout_p = 0.f;
+  float rp_keep = 1.f;
+  uint32_t keep_threshold = 65536;
+  PhiloxArgs philox;
+  // Forward: where the kernel writes the (seed, offset) it used, for the backward and for
+  // _C.dropout_mask. Backward: philox points its seed_ptr / offset_ptr here.
+  int64_t* rng_state = nullptr;
 
   // Family-specific scratch in global memory, allocated by the API layer
   // (FA1: the running O in fp32 and the running max/sum per row; see fa1/fa1_fwd_kernel.cuh).

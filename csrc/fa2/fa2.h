@@ -1,0 +1,36 @@
+// FA2 entry points: what the API layer calls. Instantiated per (element type, head dim) by the
+// generated files in csrc/generated/. Every feature of the params (window, softcap, ALiBi,
+// dropout, GQA) is supported in both directions.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/params.h"
+
+namespace flash::fa2 {
+
+// Rows of the per-row backward scratch (D, dQ accumulator) are padded to this.
+constexpr int kRowPad = 128;
+
+__host__ __device__ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Backward scratch, laid out by the launcher (fa2_bwd_launch.cuh):
+//   dq_accum: fp32 (batch, heads, round_up(seqlen_q, kRowPad), kernel_hdim), zeroed by the launcher
+//   dsum:     fp32 (batch, heads, round_up(seqlen_q, kRowPad))
+// (The backward's launcher owns this layout; the API layer only sizes the allocation.)
+inline int64_t bwd_workspace_bytes(const BwdParams& p, int kernel_hdim) {
+  const int64_t rows = int64_t(p.batch) * p.heads * round_up(p.seqlen_q, kRowPad);
+  return rows * kernel_hdim * 4 + rows * 4;
+}
+
+// The forward needs no scratch. Throws std::runtime_error on a launch failure.
+template <typename T, int kHeadDim>
+void run_fwd(const FwdParams& params, cudaStream_t stream);
+
+// params.workspace must hold bwd_workspace_bytes(...) bytes (no initialisation needed).
+template <typename T, int kHeadDim>
+void run_bwd(const BwdParams& params, cudaStream_t stream);
+
+}  // namespace flash::fa2
