@@ -1,0 +1,269 @@
+// FA2 forward (Dao, "FlashAttention-2", Algorithm 1): one thread block per (query tile,
+// batch, head). The block keeps its O tile in registers across the whole key loop; each warp
+// owns 16-row slices of the query tile, so the softmax statistics never cross warps.
+//
+// Per key tile n (walked from the last to the first, so the tiles that need a mask come first):
+//   wait K[n]; start loading V[n]      | S = Q K[n]^T          (tensor cores)
+//   score mod (softcap, ALiBi), mask    | m, l, O rescale, P = exp2(S - m)
+//   wait V[n]; start loading K[n-1]     | O += P V[n]           (tensor cores)
+// and once at the end O /= l, lse = m + log l. K and V have one shared-memory buffer each, and
+// each load overlaps the GEMM on the other: a two-stage pipeline over the K, V, K, V... stream.
+#pragma once
+
+#include <cstdint>
+
+#include "common/params.h"
+#include "common/philox.cuh"
+#include "fa2/fa2_mask.h"
+#include "fa2/fa2_score_mod.h"
+#include "fa2/fa2_softmax.h"
+#include "fa2/fa2_tiles.h"
+#include "fa2/fa2_utils.h"
+
+namespace flash::fa2 {
+
+template <typename T, int kHeadDim_, bool kDropout_>
+struct FwdTraits {
+  using Element = typename CuteType<T>::type;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kDropout = kDropout_;
+  static constexpr int kBlockM = FwdTile<kHeadDim>::kBlockM;
+  static constexpr int kBlockN = FwdTile<kHeadDim>::kBlockN;
+  static constexpr int kWarps = FwdTile<kHeadDim>::kWarps;
+  static constexpr int kThreads = kWarps * 32;
+
+  using L = Layouts<Element, kHeadDim>;
+  using TiledMma = typename L::template TiledMma<kWarps>;
+  using SmemQ = typename L::template Smem<kBlockM>;    // (kBlockM, hdim); reused for O
+  using SmemKV = typename L::template Smem<kBlockN>;   // (kBlockN, hdim)
+  using SmemVt = typename L::template SmemTransposed<kBlockN>;
+  using SmemVtNoSwizzle = typename L::template SmemTransposedNoSwizzle<kBlockN>;
+  using GmemLoad = typename L::template GmemLoad<kThreads>;
+  using GmemStore = typename L::template GmemStore<kThreads>;
+
+  static constexpr int kSmemBytes =
+      int(sizeof(Element)) * (cosize_v<SmemQ> + 2 * cosize_v<SmemKV>);
+  static constexpr int kRowsPerThread = 2 * kBlockM / (16 * kWarps);  // rowcol rows per thread
+};
+
+// Keep-or-drop each probability of the tile at (row0, col0): one Philox call per 16x16 block a
+// lane holds (common/philox.cuh), zeroing the dropped ones. p: the fp32 accumulator fragment
+// ((2,2), MMA_M, MMA_N); coord: an identity tensor partitioned the same way.
+template <class P, class C>
+__device__ __forceinline__ void apply_dropout(P& p, C const& coord, const PhiloxKey& key,
+                                              uint32_t threshold, uint32_t bh, int row0,
+                                              int col0) {
+#pragma unroll
+  for (int m = 0; m < size<1>(p); ++m) {
+#pragma unroll
+    for (int n = 0; n < size<2>(p); n += 2) {
+      const uint32_t row = row0 + get<0>(coord(0, m, n)), col = col0 + get<1>(coord(0, m, n));
+      const uint4 draws = dropout_draws(key, bh, row, col);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          const uint32_t r = row0 + get<0>(coord(v, m, n + half));
+          const uint32_t c = col0 + get<1>(coord(v, m, n + half));
+          if (draw16(draws, dropout_draw_index(r, c)) >= threshold) p(v, m, n + half) = 0.f;
+        }
+      }
+    }
+  }
+}
+
+template <class Tr>
+__device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_block, int batch,
+                                         int head) {
+  using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  const int tid = threadIdx.x;
+  const int row0 = m_block * kBlockM;
+  const int head_k = head / (p.heads / p.heads_k);
+
+  const Mask mask(p);
+  const KeyTiles tiles = mask.key_tiles<kBlockM, kBlockN>(row0);
+
+  // ---- global tensors of this (batch, head) -------------------------------------------------
+  auto rows = [](const void* base, const Strides& s, int b, int h, int seqlen) {
+    auto ptr = static_cast<const Element*>(base) + b * s.batch + h * s.head;
+    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, Int<kHeadDim>{}),
+                       make_stride(s.row, _1{}));
+  };
+  Tensor mQ = rows(p.q, p.q_strides, batch, head, p.seqlen_q);     // (seqlen_q, hdim)
+  Tensor mK = rows(p.k, p.k_strides, batch, head_k, p.seqlen_k);   // (seqlen_k, hdim)
+  Tensor mV = rows(p.v, p.v_strides, batch, head_k, p.seqlen_k);   // (seqlen_k, hdim)
+  Tensor mO = make_tensor(
+      make_gmem_ptr(static_cast<Element*>(p.o) + batch * p.o_strides.batch + head * p.o_strides.head),
+      make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(p.o_strides.row, _1{}));
+  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BM, hdim)
+  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BM, hdim)
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (BN, hdim, n)
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (BN, hdim, n)
+  float* lse_row = p.lse + (int64_t(batch) * p.heads + head) * p.seqlen_q;
+
+  // ---- shared memory: Q (later O), K, V ------------------------------------------------------
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Tr::SmemQ{});
+  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Tr::SmemKV{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Tr::SmemKV{});
+  Tensor sVt = make_tensor(sV.data(), typename Tr::SmemVt{});                    // (hdim, BN)
+  Tensor sVtNoSwizzle = make_tensor(sV.data(), typename Tr::SmemVtNoSwizzle{});  // (hdim, BN)
+
+  // ---- global -> shared copies (cp.async), with (row, col) of every vector for predicates ---
+  typename Tr::GmemLoad gmem_load;
+  auto gmem_thr = gmem_load.get_thread_slice(tid);
+  Tensor tQgQ = gmem_thr.partition_S(gQ);  // (CPY, CPY_M, CPY_K)
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n)
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVgV = gmem_thr.partition_S(gV);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+  auto load_kv = [&](auto& tG, auto& tS, int n) {
+    const int valid = p.seqlen_k - n * kBlockN;
+    if (valid < kBlockN) {
+      copy_tile<true>(gmem_load, tG(_, _, _, n), tS, tKcK, valid, p.head_dim);
+    } else {
+      copy_tile<false>(gmem_load, tG(_, _, _, n), tS, tKcK, kBlockN, p.head_dim);
+    }
+  };
+
+  // ---- MMA partitions -----------------------------------------------------------------------
+  typename Tr::TiledMma mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);             // (MMA, MMA_M, MMA_K)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);             // (MMA, MMA_N, MMA_K)
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);  // (MMA, MMA_K, MMA_N)
+
+  auto ldsm_q = make_tiled_copy_A(typename Tr::L::LdsmAtom{}, mma);
+  Tensor tSsQ = ldsm_q.get_thread_slice(tid).partition_S(sQ);
+  auto ldsm_k = make_tiled_copy_B(typename Tr::L::LdsmAtom{}, mma);
+  Tensor tSsK = ldsm_k.get_thread_slice(tid).partition_S(sK);
+  auto ldsm_vt = make_tiled_copy_B(typename Tr::L::LdsmTransposedAtom{}, mma);
+  Tensor tOsVt = ldsm_vt.get_thread_slice(tid).partition_S(sVt);
+
+  Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_K)
+  clear(acc_o);
+  // (row, col) within a (BM, BN) tile of each score this thread holds.
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tScS_rc = make_tensor(tScS.data(), rowcol(tScS.layout()));
+  Tensor acc_o_rc = make_tensor(acc_o.data(), rowcol(acc_o.layout()));
+
+  Softmax<Tr::kRowsPerThread> softmax;
+  const ScoreMod score_mod(p, batch, head);
+  const bool modded = score_mod.softcap() || score_mod.alibi();
+  PhiloxKey philox{};
+  const uint32_t bh = uint32_t(batch) * p.heads + head;
+  if constexpr (Tr::kDropout) philox = philox_key(p.philox);
+
+  if (!tiles.empty()) {
+    // Prologue: Q and the first K tile in flight.
+    copy_tile<true>(gmem_load, tQgQ, tQsQ, tQcQ, p.seqlen_q - row0, p.head_dim);
+    load_kv(tKgK, tKsK, tiles.end - 1);
+    cp_async_fence();
+
+    auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
+      Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+      clear(acc_s);
+      cp_async_wait<0>();
+      __syncthreads();  // K[n] landed; every warp is done with V[n+1]
+      load_kv(tVgV, tVsV, n);
+      cp_async_fence();
+
+      gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma, ldsm_q, ldsm_k);
+      Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
+      if (modded) score_mod.apply(s_rc, tScS_rc, row0, n * kBlockN);
+      if constexpr (decltype(masked)::value) mask.apply(s_rc, tScS_rc, row0, n * kBlockN);
+
+      cp_async_wait<0>();
+      __syncthreads();  // V[n] landed; every warp is done with K[n]
+      if (n > tiles.begin) {
+        load_kv(tKgK, tKsK, n - 1);
+        cp_async_fence();
+      }
+
+      softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, p.softmax_scale_log2);
+      if constexpr (Tr::kDropout) {
+        apply_dropout(acc_s, tScS, philox, p.keep_threshold, bh, row0, n * kBlockN);
+      }
+      Tensor rP = convert_fragment<Element>(acc_s);
+      Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+      gemm_rs(acc_o, tOrP, tOrVt, tOsVt, mma, ldsm_vt);
+    };
+
+    // Tiles from the top: masked ones above the diagonal band, unmasked, masked ones below.
+    int n = tiles.end - 1;
+    if (n >= tiles.unmasked_end || n < tiles.unmasked_begin) {
+      step(n, std::true_type{}, std::true_type{});
+    } else {
+      step(n, std::true_type{}, std::false_type{});
+    }
+    for (--n; n >= tiles.unmasked_end; --n) step(n, std::false_type{}, std::true_type{});
+    for (; n >= tiles.unmasked_begin; --n) step(n, std::false_type{}, std::false_type{});
+    for (; n >= tiles.begin; --n) step(n, std::false_type{}, std::true_type{});
+  } else {
+    // No row of this tile sees a key: O = 0, lse = +inf, like a row masked entirely.
+    for (int mi = 0; mi < Tr::kRowsPerThread; ++mi) softmax.row_sum[mi] = 0.f;
+  }
+
+  // ---- epilogue: O /= l, write O through shared memory, and the lse -------------------------
+  float lse[Tr::kRowsPerThread];
+  softmax.finalize(acc_o_rc, p.softmax_scale_log2, Tr::kDropout ? p.rp_keep : 1.f, lse);
+  if (tiles.empty()) clear(acc_o);
+
+  Tensor rO = convert_fragment<Element>(acc_o);
+  Tensor sO = make_tensor(sQ.data(), typename Tr::SmemQ{});  // (BM, hdim)
+  auto smem_store = make_tiled_copy_C(typename Tr::L::AccStoreAtom{}, mma);
+  auto smem_store_thr = smem_store.get_thread_slice(tid);
+  Tensor taccOrO = smem_store_thr.retile_S(rO);
+  Tensor taccOsO = smem_store_thr.partition_D(sO);
+  // The last GEMMs read sV and sK only (sQ's last reader finished before the final
+  // __syncthreads of the loop), so O may overwrite Q right away.
+  copy(smem_store, taccOrO, taccOsO);
+
+  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  if (get<1>(tOcO(0)) == 0) {  // the lane holding column 0 of its rows writes their lse
+#pragma unroll
+    for (int mi = 0; mi < Tr::kRowsPerThread; ++mi) {
+      Tensor tOcO_rc = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
+      const int row = row0 + get<0>(tOcO_rc(mi, 0));
+      if (row < p.seqlen_q) lse_row[row] = lse[mi];
+    }
+  }
+  __syncthreads();
+
+  typename Tr::GmemStore gmem_store;
+  auto gmem_store_thr = gmem_store.get_thread_slice(tid);
+  Tensor tOsO = gmem_store_thr.partition_S(sO);  // (CPY, CPY_M, CPY_K)
+  Tensor tOgO = gmem_store_thr.partition_D(gO);
+  Tensor tOrO = make_tensor<Element>(shape(tOgO));
+  copy(gmem_store, tOsO, tOrO);
+  Tensor tOcO_store = gmem_store_thr.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  store_tile(gmem_store, tOrO, tOgO, tOcO_store, p.seqlen_q - row0, p.head_dim);
+}
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant__ FwdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  extern __shared__ __align__(128) char smem[];
+  // Query tiles in reverse: under a causal mask the last tiles have the most keys, and
+  // starting them first keeps the tail of the grid short.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int64_t batch_heads = int64_t(p.batch) * p.heads;
+  // gridDim.y is capped at 65535; larger batch * heads wrap around.
+  for (int64_t bh = blockIdx.y; bh < batch_heads; bh += gridDim.y) {
+    fwd_tile<Tr>(p, smem, m_block, int(bh / p.heads), int(bh % p.heads));
+    __syncthreads();  // the next tile's loads overwrite shared memory
+  }
+  if constexpr (Tr::kDropout) {
+    if (p.rng_state != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+      p.rng_state[0] = int64_t(philox_seed(p.philox));
+      p.rng_state[1] = int64_t(philox_offset(p.philox));
+    }
+  }
+#endif
+}
+
+}  // namespace flash::fa2

@@ -1,0 +1,70 @@
+// FA2 tile sizes, one row per kernel head dim, and the shared-memory / copy layouts that every
+// FA2 kernel builds its tiles from. The limiting resource of each choice is named on its row.
+#pragma once
+
+#include <type_traits>
+
+#include "fa2/fa2_utils.h"
+
+namespace flash::fa2 {
+
+// ---- forward --------------------------------------------------------------------------------
+// A block owns kBlockM query rows (16 per warp per MMA row-repeat) and walks key tiles of
+// kBlockN. Per thread, O costs kBlockM * hdim / threads fp32 registers and S
+// kBlockM * kBlockN / threads.
+template <int kHeadDim> struct FwdTile;
+//                                     kBlockM      kBlockN      kWarps     limit
+template <> struct FwdTile<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4; };  // S registers (128)
+template <> struct FwdTile<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4; };  // O 64 + S 128 registers
+template <> struct FwdTile<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 4; };  // O 96 + S 64 registers
+template <> struct FwdTile<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 4; };  // O 128 + S 64 registers
+template <> struct FwdTile<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8; };  // O registers: 8 warps keep it at 96
+template <> struct FwdTile<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8; };  // smem: Q 64 KB + K 32 KB + V 32 KB
+
+// ---- layouts shared by forward and backward -------------------------------------------------
+
+template <typename Element, int kHeadDim>
+struct Layouts {
+  // A row of a (rows, hdim) tile is read in chunks of kBlockK columns; the swizzle spreads the
+  // 8 rows of each ldmatrix over all 32 banks.
+  static constexpr int kBlockK = kHeadDim % 64 == 0 ? 64 : 32;
+  using SmemAtom = decltype(composition(
+      Swizzle<kBlockK == 64 ? 3 : 2, 3, 3>{},
+      Layout<Shape<_8, Int<kBlockK>>, Stride<Int<kBlockK>, _1>>{}));
+
+  // (rows, hdim) and its transpose (hdim, rows), the B operand of P*V and dS^T*Q style GEMMs.
+  template <int kRows>
+  using Smem = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kRows>, Int<kHeadDim>>{}));
+  template <int kRows>
+  using SmemTransposed = decltype(composition(
+      Smem<kRows>{}, make_layout(Shape<Int<kHeadDim>, Int<kRows>>{}, GenRowMajor{})));
+  template <int kRows>
+  using SmemTransposedNoSwizzle = decltype(get_nonswizzle_portion(SmemTransposed<kRows>{}));
+
+  // The MMA: m16n8k16 with fp32 accumulators, warps stacked along M.
+  using MmaOp = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                   SM80_16x8x16_F32F16F16F32_TN, SM80_16x8x16_F32BF16BF16F32_TN>;
+  template <int kWarpsM, int kWarpsN = 1>
+  using TiledMma = TiledMMA<MMA_Atom<MmaOp>, Layout<Shape<Int<kWarpsM>, Int<kWarpsN>, _1>>,
+                            Tile<Int<16 * kWarpsM>, Int<16 * kWarpsN>, _16>>;
+
+  // Global <-> shared: 16-byte vectors, kBlockK / 8 threads per row.
+  static constexpr int kThreadsPerRow = kBlockK / 8;
+  template <int kThreads>
+  using GmemThreads = Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
+                             Stride<Int<kThreadsPerRow>, _1>>;
+  template <int kThreads>
+  using GmemLoad = decltype(make_tiled_copy(
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemThreads<kThreads>{},
+      Layout<Shape<_1, _8>>{}));
+  template <int kThreads>
+  using GmemStore = decltype(make_tiled_copy(
+      Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemThreads<kThreads>{},
+      Layout<Shape<_1, _8>>{}));
+
+  using LdsmAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;            // row-major operand
+  using LdsmTransposedAtom = Copy_Atom<SM75_U16x8_LDSM_T, Element>;  // transposed operand
+  using AccStoreAtom = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+};
+
+}  // namespace flash::fa2

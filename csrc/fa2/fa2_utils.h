@@ -1,0 +1,157 @@
+// Small CuTe helpers shared by the FA2 forward and backward: fragment views, type conversion,
+// warp-quad reductions, the two GEMM shapes of the mainloops and predicated tile copies.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace flash::fa2 {
+
+using namespace cute;
+
+// The element type of CuTe's MMA atoms for the CUDA type the build matrix names.
+template <typename T> struct CuteType;
+template <> struct CuteType<__half> { using type = cutlass::half_t; };
+template <> struct CuteType<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
+
+// ---- fragment views -------------------------------------------------------------------------
+
+// An m16n8 accumulator fragment ((2 cols, 2 rows), MMA_M, MMA_N) seen as a matrix of the rows
+// and columns a thread owns: ((2, MMA_M), (2, MMA_N)). Softmax and masks index it by row.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto rowcol(Layout const& acc) {
+  static_assert(rank(Layout{}) == 3);
+  auto atom = get<0>(acc);
+  return make_layout(make_layout(get<1>(atom), get<1>(acc)),
+                     make_layout(get<0>(atom), get<2>(acc)));
+}
+
+// The accumulator of C = A*B reused, once converted to 16 bits, as the A operand of the next
+// m16n8k16 MMA: two adjacent n8 tiles form one k16 slice. ((2,2), MMA_M, MMA_N) ->
+// (((2,2),2), MMA_M, MMA_N/2).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(Layout const& acc) {
+  static_assert(rank(Layout{}) == 3);
+  auto split = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // ((2,2), MMA_M, (2, MMA_N/2))
+  return make_layout(make_layout(get<0>(split), get<2, 0>(split)), get<1>(split),
+                     get<2, 1>(split));
+}
+
+// fp32 fragment -> 16-bit fragment of the same layout, two elements per instruction.
+template <typename To, class Engine, class Layout>
+__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  static_assert(size(Layout{}) % 2 == 0);
+  Tensor dst = make_tensor<To>(src.layout());
+#pragma unroll
+  for (int i = 0; i < size(src); i += 2) {
+    const float2 pair = make_float2(src(i), src(i + 1));
+    if constexpr (std::is_same_v<To, cutlass::half_t>) {
+      *reinterpret_cast<__half2*>(&dst(i)) = __float22half2_rn(pair);
+    } else {
+      *reinterpret_cast<__nv_bfloat162*>(&dst(i)) = __float22bfloat162_rn(pair);
+    }
+  }
+  return dst;
+}
+
+// ---- arithmetic -----------------------------------------------------------------------------
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The four lanes of a quad hold one accumulator row between them.
+__device__ __forceinline__ float quad_allreduce_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_allreduce_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---- GEMMs from shared memory ----------------------------------------------------------------
+
+// acc += A * B^T with both operands in shared memory. The ldmatrix of k-slice k+1 is issued
+// before the MMAs of slice k, so shared-memory latency hides under tensor-core work.
+// tCrA/tCrB: the MMA's register fragments (MMA, MMA_M|N, MMA_K); tCsA/tCsB: the smem views
+// partitioned by the matching smem->register tiled copies.
+template <class Acc, class RA, class RB, class SA, class SB, class TiledMma, class CopyA,
+          class CopyB>
+__device__ __forceinline__ void gemm_ss(Acc& acc, RA& tCrA, RB& tCrB, SA const& tCsA,
+                                        SB const& tCsB, TiledMma const& mma, CopyA const& copy_a,
+                                        CopyB const& copy_b) {
+  Tensor tCrA_view = copy_a.get_thread_slice(threadIdx.x).retile_D(tCrA);
+  Tensor tCrB_view = copy_b.get_thread_slice(threadIdx.x).retile_D(tCrB);
+  copy(copy_a, tCsA(_, _, 0), tCrA_view(_, _, 0));
+  copy(copy_b, tCsB(_, _, 0), tCrB_view(_, _, 0));
+  constexpr int kSlices = decltype(size<2>(tCrA))::value;
+#pragma unroll
+  for (int k = 0; k < kSlices; ++k) {
+    if (k + 1 < kSlices) {
+      copy(copy_a, tCsA(_, _, k + 1), tCrA_view(_, _, k + 1));
+      copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
+    }
+    gemm(mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+  }
+}
+
+// acc += A * B^T with A already in registers (P, or dS) and B in shared memory.
+template <class Acc, class RA, class RB, class SB, class TiledMma, class CopyB>
+__device__ __forceinline__ void gemm_rs(Acc& acc, RA const& tCrA, RB& tCrB, SB const& tCsB,
+                                        TiledMma const& mma, CopyB const& copy_b) {
+  Tensor tCrB_view = copy_b.get_thread_slice(threadIdx.x).retile_D(tCrB);
+  copy(copy_b, tCsB(_, _, 0), tCrB_view(_, _, 0));
+  constexpr int kSlices = decltype(size<2>(tCrA))::value;
+#pragma unroll
+  for (int k = 0; k < kSlices; ++k) {
+    if (k + 1 < kSlices) copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
+    gemm(mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+  }
+}
+
+// ---- predicated tile copies ------------------------------------------------------------------
+
+// Global -> shared copy of one (rows, head dim) tile, 16 bytes per instruction. Rows at or
+// past max_rows and columns at or past head_dim are written as zeros, so padded rows and
+// columns never bring garbage (possibly NaN) into a dot product.
+// tS/tD: the tiled copy's partitions (CPY, CPY_M, CPY_K); tC: the same partition of an identity
+// tensor over the tile, giving each vector's (row, col).
+template <bool kCheckRows, class TiledCopy, class Src, class Dst, class Coord>
+__device__ __forceinline__ void copy_tile(TiledCopy const& tiled_copy, Src const& tS, Dst& tD,
+                                          Coord const& tC, int max_rows, int head_dim) {
+#pragma unroll
+  for (int m = 0; m < size<1>(tS); ++m) {
+    const bool row_ok = !kCheckRows || get<0>(tC(0, m, 0)) < max_rows;
+#pragma unroll
+    for (int k = 0; k < size<2>(tS); ++k) {
+      if (row_ok && get<1>(tC(0, m, k)) < head_dim) {
+        copy(tiled_copy, tS(_, m, k), tD(_, m, k));
+      } else {
+        clear(tD(_, m, k));
+      }
+    }
+  }
+}
+
+// Register (or shared) -> global copy that skips rows past max_rows and columns past head_dim.
+template <class TiledCopy, class Src, class Dst, class Coord>
+__device__ __forceinline__ void store_tile(TiledCopy const& tiled_copy, Src const& tS, Dst& tD,
+                                           Coord const& tC, int max_rows, int head_dim) {
+#pragma unroll
+  for (int m = 0; m < size<1>(tS); ++m) {
+    if (get<0>(tC(0, m, 0)) < max_rows) {
+#pragma unroll
+      for (int k = 0; k < size<2>(tS); ++k) {
+        if (get<1>(tC(0, m, k)) < head_dim) copy(tiled_copy, tS(_, m, k), tD(_, m, k));
+      }
+    }
+  }
+}
+
+}  // namespace flash::fa2
