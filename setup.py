@@ -61,6 +61,10 @@ def _torch_requirement(torch) -> str:
     return f"torch=={match.group(1)}.{match.group(2)}.*"
 
 
+# CUDA sources that are not build-matrix instantiations; CMakeLists.txt lists the same.
+COMMON_SOURCES = ["csrc/common/dropout_mask.cu"]
+
+
 def _cuda_extension():
     """The CUDAExtension and its BuildExtension; imports torch, so only when building it."""
     build_matrix = _load_by_path("_flash_attn_build_matrix", ROOT / "flash_attn" / "build_matrix.py")
@@ -90,7 +94,8 @@ def _cuda_extension():
     api_sources = sorted(glob.glob("csrc/api/*.cpp"))
     if not api_sources:
         sys.exit("flash-attn: csrc/api/*.cpp is missing (the torch glue, flash_api.cpp).")
-    sources = api_sources + [os.path.relpath(p, ROOT) for p in kernel_sources]
+    # Helpers outside the matrix (the dropout-mask kernel), compiled once for every target arch.
+    sources = api_sources + COMMON_SOURCES + [os.path.relpath(p, ROOT) for p in kernel_sources]
 
     print(f"flash-attn {_version()}: building flash_attn._C for "
           f"{' '.join(f'sm{a}' for a in archs)}, {len(configs)} kernels "
@@ -117,6 +122,7 @@ def _cuda_extension():
     extension = cpp_extension.CUDAExtension(
         name="flash_attn._C",
         sources=sources,
+        # csrc/ for "common/...", "fa2/..."; CUTLASS for the CuTe headers of the fa2 kernels.
         include_dirs=[str(ROOT / "csrc"), str(cutlass_include)],
         extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},
     )

@@ -2,8 +2,10 @@
 
 Automatic choice walks ``build_matrix.PREFERENCE`` (best first) and takes the first family that
 is implemented, built into this ``flash_attn._C``, runs on the device's arch / dtype / head dim
-(``build_matrix.supports``) and has every feature the call uses. That gives sm90 -> fa3,
-sm80..89 -> fa2, sm75 -> fa1 when those are built. When the arch's first choice is skipped, a
+(``build_matrix.supports``), has machine code or PTX for an arch it supports that runs on
+the device (``build_matrix.kernel_runs_on``: fa2 built for sm75 only is empty) and has every
+feature the call uses. That gives sm90 -> fa3, sm80..89 -> fa2, sm75 -> fa1 when those are
+built (fa3 is not implemented yet: sm90 -> fa2). When the arch's first choice is skipped, a
 ``BackendFallbackWarning`` says which family runs instead and why, once per distinct
 (arch, dtype, head dim, features, request).
 
@@ -126,8 +128,10 @@ def requested_backend(backend: Optional[str]) -> Optional[str]:
 # ---- the choice (pure: everything it reads is an argument) -----------------------------------
 
 def why_not(family: str, arch: int, dtype: str, hdim: int, features: Iterable[str],
-            directions: Tuple[str, ...], built: frozenset) -> Optional[str]:
-    """None if ``family`` can run the call, else the reason it cannot."""
+            directions: Tuple[str, ...], built: frozenset,
+            archs: Iterable[int] = ()) -> Optional[str]:
+    """None if ``family`` can run the call, else the reason it cannot. ``archs``: the build's
+    target archs (``built_archs()``); empty means unknown, nothing ruled out by them."""
     if family not in build_matrix.FAMILIES:
         return (f"{family} is not implemented in this version of flash_attn (implemented: "
                 f"{', '.join(sorted(build_matrix.FAMILIES))})")
@@ -138,12 +142,20 @@ def why_not(family: str, arch: int, dtype: str, hdim: int, features: Iterable[st
     if reason is not None:
         return reason
     padded = -(-hdim // 8) * 8
+    archs = tuple(archs)
     for direction in directions:
-        if not any(c.family == family and c.direction == direction and c.dtype == dtype
-                   and c.hdim >= padded and c.min_arch <= arch for c in built):
+        kernels = [c for c in built if c.family == family and c.direction == direction
+                   and c.dtype == dtype and c.hdim >= padded and c.min_arch <= arch]
+        if not kernels:
             return (f"this build has no {family} {direction} kernel for {dtype} head dim {hdim} "
                     f"(built: {_summary(built, family)}); rebuild with FLASH_ATTN_FAMILIES / "
                     f"FLASH_ATTN_DTYPES / FLASH_ATTN_HDIMS including it")
+        if archs and not any(build_matrix.kernel_runs_on(c.min_arch, arch, archs)
+                             for c in kernels):
+            need = min(c.min_arch for c in kernels)
+            return (f"this build's {family} {dtype} kernels need code for sm{need}+ that runs "
+                    f"on sm{arch}, and its targets are {', '.join(f'sm{a}' for a in archs)}; "
+                    f"rebuild with FLASH_ATTN_CUDA_ARCHS including {arch}")
     return None
 
 
@@ -163,12 +175,13 @@ def preferred_family(arch: int) -> Optional[str]:
 
 def choose(arch: int, dtype: str, hdim: int, features: Iterable[str],
            requested: Optional[str] = None, *, need_bwd: bool = False,
-           built: frozenset = frozenset()) -> str:
+           built: frozenset = frozenset(), archs: Iterable[int] = ()) -> str:
     """The family that runs the call; raises NotImplementedError when none can (or the forced
     one cannot). ``hdim`` is the caller's head dim, before padding to a multiple of 8."""
     features = frozenset(features)
     directions = ("fwd", "bwd") if need_bwd else ("fwd",)
-    reasons = {f: why_not(f, arch, dtype, hdim, features, directions, built)
+    archs = tuple(archs)
+    reasons = {f: why_not(f, arch, dtype, hdim, features, directions, built, archs)
                for f in build_matrix.PREFERENCE}
     runnable = [f for f in build_matrix.PREFERENCE if reasons[f] is None]
     what = (f"sm{arch}, {dtype}, head dim {hdim}, {'fwd+bwd' if need_bwd else 'fwd'}, "
@@ -197,11 +210,18 @@ def choose(arch: int, dtype: str, hdim: int, features: Iterable[str],
 
 
 def _none_runs_it(features: frozenset) -> str:
+    families = build_matrix.FAMILIES
     unsupported = [f for f in sorted(features)
-                   if not any(f in fam.features for fam in build_matrix.FAMILIES.values())]
+                   if not any(f in fam.features for fam in families.values())]
     if unsupported:
         return (f"No backend in this version supports "
                 f"{', '.join(_FEATURE_TEXT[f] for f in unsupported)}.")
+    having = [f for f in build_matrix.PREFERENCE
+              if f in families and features <= families[f].features]
+    if len(having) < len(families):
+        # Some family lacks a feature of the call: say which ones have them all, and where.
+        return (f"No backend in this build runs it; the families with every feature of this "
+                f"call: {', '.join(f'{f} (sm{families[f].min_arch}+)' for f in having)}.")
     return "No backend in this build runs it."
 
 
@@ -218,17 +238,18 @@ def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Op
     wrapped in a dynamo error, so errors are returned here and raised by traced code."""
     try:
         built = built_configs()
+        archs = built_archs()
         wrong_arch = runs_here(arch)
     except RuntimeError as e:
         return ("", "RuntimeError", str(e))
     if wrong_arch is not None:
         return ("", "RuntimeError", f"flash_attn: {wrong_arch}")
-    key = (arch, dtype, hdim, features, requested, need_bwd, built)
+    key = (arch, dtype, hdim, features, requested, need_bwd, built, archs)
     decision = _DECISIONS.get(key)
     if decision is None:
         try:
             decision = (choose(arch, dtype, hdim, features, requested, need_bwd=need_bwd,
-                               built=built), "", "")
+                               built=built, archs=archs), "", "")
         except NotImplementedError as e:
             decision = ("", "NotImplementedError", str(e))
         _DECISIONS[key] = decision
@@ -274,6 +295,9 @@ def available_backends(device=None) -> List[str]:
     arch = device_arch(torch.cuda.current_device() if device is None else device)
     if runs_here(arch) is not None:
         return []
+    archs = built_archs()
     return [f for f in build_matrix.PREFERENCE
             if f in build_matrix.FAMILIES and arch >= build_matrix.FAMILIES[f].min_arch
-            and any(c.family == f and c.direction == "fwd" and c.min_arch <= arch for c in built)]
+            and any(c.family == f and c.direction == "fwd" and c.min_arch <= arch
+                    and (not archs or build_matrix.kernel_runs_on(c.min_arch, arch, archs))
+                    for c in built)]

@@ -1,4 +1,5 @@
-"""The torch.library custom ops ``flash_attn::fwd`` / ``flash_attn::bwd`` and the extension loader.
+"""The torch.library custom ops ``flash_attn::fwd`` / ``flash_attn::bwd`` (and
+``flash_attn::dropout_mask``, for ``return_attn_probs``) and the extension loader.
 
 The ops are the only way the frontend reaches ``flash_attn._C``: registering them with a schema,
 a fake (meta) implementation and an autograd formula is what lets torch.compile, FakeTensor
@@ -62,27 +63,39 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op(
     "flash_attn::fwd", mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, bool deterministic, "
-           "str backend) -> (Tensor out, Tensor lse)")
-def fwd(q, k, v, softmax_scale, causal, deterministic, backend):
+    schema="(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, "
+           "int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
+           "bool deterministic, str backend) -> (Tensor out, Tensor lse, Tensor rng_state)")
+def fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+        dropout_p, deterministic, backend):
     # deterministic is a forward argument only so that setup_context can hand it to bwd.
+    # rng_state: int64 [seed, offset] of the Philox stream the kernel drew the dropout mask
+    # from, written by the kernel; zeros when nothing was drawn. The backward and
+    # dropout_mask regenerate the mask from it.
     batch, seqlen_q, nheads, _ = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    launch = out.numel() > 0 and k.shape[1] > 0
+    rng_state = (q.new_empty if launch and dropout_p > 0 else q.new_zeros)((2,), dtype=torch.int64)
     if out.numel() == 0:
-        return out, lse
-    if k.shape[1] == 0:
+        return out, lse, rng_state
+    if not launch:
         # No key at all: every row is empty, which the convention maps to out 0, lse +inf.
-        return out.zero_(), lse.fill_(math.inf)
+        return out.zero_(), lse.fill_(math.inf), rng_state
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
-    extension().fwd(q, k, v, out, lse, softmax_scale, causal, backend)
-    return out, lse
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()
+    extension().fwd(q, k, v, out, lse, rng_state, alibi_slopes, softmax_scale, causal,
+                    window_left, window_right, softcap, dropout_p, backend)
+    return out, lse, rng_state
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, backend):
+def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+              dropout_p, deterministic, backend):
     batch, seqlen_q, nheads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return (q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32),
+            q.new_empty((2,), dtype=torch.int64))
 
 
 # ---- backward ---------------------------------------------------------------------------------
@@ -90,47 +103,77 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic, backend):
 @torch.library.custom_op(
     "flash_attn::bwd", mutates_args=(),
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-           "float softmax_scale, bool causal, bool deterministic, str backend) "
-           "-> (Tensor dq, Tensor dk, Tensor dv)")
-def bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, backend):
+           "Tensor rng_state, float softmax_scale, bool causal, int window_left, "
+           "int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
+           "bool deterministic, str backend) -> (Tensor dq, Tensor dk, Tensor dv)")
+def bwd(dout, q, k, v, out, lse, rng_state, softmax_scale, causal, window_left, window_right,
+        softcap, alibi_slopes, dropout_p, deterministic, backend):
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     if dq.numel() == 0 or dk.numel() == 0:
         # Nothing attends (no query or no key): every gradient is zero.
         return dq.zero_(), dk.zero_(), dv.zero_()
     dout, q, k, v, out = (kernel_layout(t) for t in (dout, q, k, v, out))
-    extension().bwd(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()
+    extension().bwd(dout, q, k, v, out, lse, rng_state, dq, dk, dv, alibi_slopes, softmax_scale,
+                    causal, window_left, window_right, softcap, dropout_p, deterministic,
                     backend)
     return dq, dk, dv
 
 
 @bwd.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, backend):
+def _bwd_fake(dout, q, k, v, out, lse, rng_state, softmax_scale, causal, window_left,
+              window_right, softcap, alibi_slopes, dropout_p, deterministic, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 # ---- autograd ---------------------------------------------------------------------------------
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic, backend = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+     dropout_p, deterministic, backend) = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes)
     ctx.softmax_scale = softmax_scale
     ctx.causal = causal
+    ctx.window_left = window_left
+    ctx.window_right = window_right
+    ctx.softcap = softcap
+    ctx.dropout_p = dropout_p
     ctx.deterministic = deterministic
     ctx.backend = backend
     # The kernels have no gradient through the log-sum-exp (as in flash_attn 2.x): say so, rather
-    # than let a loss on lse silently get a zero gradient.
-    ctx.mark_non_differentiable(lse)
+    # than let a loss on lse silently get a zero gradient. rng_state is bookkeeping.
+    ctx.mark_non_differentiable(lse, rng_state)
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+def _backward(ctx, dout, _dlse, _drng_state):
+    q, k, v, out, lse, rng_state, alibi_slopes = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.flash_attn.bwd(
-        dout, q, k, v, out, lse,
-        ctx.softmax_scale, ctx.causal, ctx.deterministic, ctx.backend)
-    return dq, dk, dv, None, None, None, None
+        dout, q, k, v, out, lse, rng_state, ctx.softmax_scale, ctx.causal, ctx.window_left,
+        ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, ctx.deterministic,
+        ctx.backend)
+    # No gradient for the scalars, and none for alibi_slopes (as in flash_attn 2.x).
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the dropout mask a forward used (for return_attn_probs) ---------------------------------
+
+@torch.library.custom_op(
+    "flash_attn::dropout_mask", mutates_args=(),
+    schema="(Tensor rng_state, int batch, int nheads, int seqlen_q, int seqlen_k, "
+           "float dropout_p) -> Tensor")
+def dropout_mask(rng_state, batch, nheads, seqlen_q, seqlen_k, dropout_p):
+    """(batch, nheads, seqlen_q, seqlen_k) bool, True where the forward that returned
+    ``rng_state`` kept the probability: the kernels' Philox draws, recomputed on the GPU."""
+    return extension().dropout_mask(rng_state, batch, nheads, seqlen_q, seqlen_k, dropout_p)
+
+
+@dropout_mask.register_fake
+def _dropout_mask_fake(rng_state, batch, nheads, seqlen_q, seqlen_k, dropout_p):
+    return rng_state.new_empty((batch, nheads, seqlen_q, seqlen_k), dtype=torch.bool)

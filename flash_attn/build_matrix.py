@@ -51,6 +51,18 @@ FAMILIES: dict[str, Family] = {
         directions=("fwd", "bwd"),
         features=frozenset({"causal", "gqa"}),
     ),
+    # FlashAttention-2: outer loop over Q tiles, O/m/l in registers, one normalisation at the
+    # end; the backward walks K/V tiles with dQ accumulated in fp32. CuTe on mma.sync m16n8k16
+    # (sm80+: cp.async and bf16 MMA). Built for every target arch like the rest; its kernels
+    # compile to empty bodies for an arch below min_arch, and dispatch never picks them there.
+    "fa2": Family(
+        name="fa2",
+        min_arch=80,
+        dtype_min_arch={"fp16": 80, "bf16": 80},
+        hdims=(32, 64, 96, 128, 192, 256),
+        directions=("fwd", "bwd"),
+        features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout"}),
+    ),
 }
 
 # Automatic choice, best first, for a device of compute capability (major*10+minor). A family
@@ -139,6 +151,15 @@ def runs_on(arch: int, built_archs: Iterable[int]) -> bool:
     built_archs = list(built_archs)
     return (any(a // 10 == arch // 10 and a <= arch for a in built_archs)
             or arch >= max(built_archs))
+
+
+def kernel_runs_on(min_arch: int, arch: int, built_archs: Iterable[int]) -> bool:
+    """Whether a kernel that needs sm``min_arch``+ has code that runs on a GPU of ``arch`` in a
+    build for ``built_archs``. Only the targets >= min_arch count: below it the kernel compiles
+    to an empty body (FLASH_ATTN_CUDA_ARCHS=75 on an A100 would JIT the sm75 PTX, in which fa2
+    does nothing)."""
+    usable = [a for a in built_archs if a >= min_arch]
+    return bool(usable) and runs_on(arch, usable)
 
 
 def supports(family: str, dtype: str, hdim: int, arch: int) -> str | None:

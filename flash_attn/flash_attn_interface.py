@@ -12,12 +12,14 @@ name; they raise NotImplementedError until this build has kernels for them.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from . import _dispatch, _ops, _validate  # noqa: F401  (_ops registers torch.ops.flash_attn)
+# _ops is imported for its side effect: it registers torch.ops.flash_attn.
+from . import _dispatch, _ops, _validate, reference  # noqa: F401
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -27,6 +29,19 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                                    alibi_slopes=alibi_slopes, names=names)
     need_bwd = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     family = _dispatch.select(call, q.device, backend, need_bwd)
+    # Both validated reals >= 0; * 1.0 turns an int into the float the op's schema takes.
+    softcap, dropout_p = softcap * 1.0, dropout_p * 1.0
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()
+    q_in, k_in = q, k
+    softmax_scale = call.softmax_scale
+    if softmax_scale <= 0:
+        # The kernels take the row max of raw q.k and exponentiate (q.k - max) * scale, which
+        # needs scale > 0. logits = (q * sign) . k * |scale| is the same attention, and
+        # autograd carries the sign back to dq; scale 0 (uniform attention) becomes q * 0 with
+        # scale 1. Rare, so the copy of q it costs does not matter.
+        q = q * (-1.0 if softmax_scale < 0 else 0.0)
+        softmax_scale = -softmax_scale if softmax_scale < 0 else 1.0
 
     head_dim = call.shapes.head_dim
     pad = -head_dim % 8
@@ -35,12 +50,47 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     # As flash_attn 2.x: a non-contiguous last dim is copied, not an error. Done here, before
     # the op, so the op saves the copy for backward instead of copying again there.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out, lse = torch.ops.flash_attn.fwd(q, k, v, call.softmax_scale, call.causal,
-                                        bool(deterministic), family)
+    window_left, window_right = call.window
+    out, lse, rng_state = torch.ops.flash_attn.fwd(
+        q, k, v, softmax_scale, call.causal, window_left, window_right, softcap,
+        alibi_slopes, dropout_p, bool(deterministic), family)
     if pad:
         out = out.narrow(-1, 0, head_dim)
-    # The third 2.x return is the dropout mask / probabilities, which exist only with dropout.
-    return (out, lse, None) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    # As flash_attn 2.x: the third return exists only with dropout (2.x asks its kernel for it
+    # only when dropout_p > 0), so asking for the lse this way never materialises seqlen^2.
+    probs = (_attn_probs(q_in, k_in, call, softcap, alibi_slopes, dropout_p, rng_state)
+             if dropout_p > 0 else None)
+    return out, lse, probs
+
+
+def _attn_probs(q, k, call, softcap, alibi_slopes, dropout_p, rng_state):
+    """S_dmask of flash_attn 2.x: (batch, nheads, seqlen_q, seqlen_k) in q's dtype, the attention
+    probabilities (after softcap, ALiBi and the mask, before dropout), negated where dropout
+    dropped them. Computed here in fp32 from the inputs, with the forward's own keep-mask from
+    ``flash_attn::dropout_mask``: O(seqlen_q * seqlen_k) memory, for tests only."""
+    s = call.shapes
+    with torch.no_grad():
+        qf = q.detach().float().transpose(1, 2)                                 # (b, h, sq, d)
+        kf = k.detach().float().transpose(1, 2).repeat_interleave(s.nheads // s.nheads_k, 1)
+        scores = qf @ kf.transpose(-1, -2) * call.softmax_scale                 # (b, h, sq, sk)
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        if alibi_slopes is not None:
+            # reference.alibi_bias's -slope * |i + sk - sq - j|, in fp32 (it computes in fp64).
+            i = torch.arange(s.seqlen_q, device=q.device).unsqueeze(1)
+            j = torch.arange(s.seqlen_k, device=q.device)
+            distance = (i + (s.seqlen_k - s.seqlen_q) - j).abs().float()        # (sq, sk)
+            scores = scores - alibi_slopes.reshape(-1, s.nheads, 1, 1) * distance
+        visible = reference.attention_mask(s.seqlen_q, s.seqlen_k, call.causal, call.window,
+                                           device=q.device)
+        scores = torch.where(visible, scores, -math.inf)
+        # A row that sees no key has probabilities 0 (its lse is +inf), not 0/0.
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        keep = torch.ops.flash_attn.dropout_mask(rng_state, s.batch, s.nheads, s.seqlen_q,
+                                                 s.seqlen_k, dropout_p)
+        return torch.where(keep, probs, -probs).to(q.dtype)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -54,8 +104,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     defaults to 1 / sqrt(headdim). ``backend`` ('fa1' | 'fa2' | 'fa3' | 'auto' | None) forces a
     kernel family for this call; None defers to FLASH_ATTN_BACKEND, then the automatic choice.
 
+    window_size=(left, right): local attention, query i sees keys [i + seqlen_k - seqlen_q -
+    left, i + seqlen_k - seqlen_q + right] (-1: unbounded). softcap > 0: scores become
+    softcap * tanh(scores / softcap). alibi_slopes (nheads,) or (batch, nheads), fp32: adds
+    -slope * |i + seqlen_k - seqlen_q - j|. dropout_p: applied as given (as flash_attn 2.x's
+    functions do; pass 0.0 at evaluation), to the probabilities, not the lse; the random
+    stream is the default CUDA generator's, so torch.manual_seed reproduces it.
+
     Returns out (batch, seqlen_q, nheads, headdim), or with return_attn_probs=True
-    (out, softmax_lse, None): softmax_lse fp32 (batch, nheads, seqlen_q), natural log.
+    (out, softmax_lse, S_dmask): softmax_lse fp32 (batch, nheads, seqlen_q), natural log;
+    S_dmask None when dropout_p == 0, else (batch, nheads, seqlen_q, seqlen_k) in q's dtype:
+    the attention probabilities before dropout, negated where dropout dropped them. S_dmask is
+    for testing only (as in 2.x): it materialises seqlen_q x seqlen_k, computed in PyTorch.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, backend, ("q", "k", "v"))

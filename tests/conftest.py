@@ -33,7 +33,7 @@ import pytest
 import torch
 
 import flash_attn
-from flash_attn import _dispatch, _validate, build_matrix
+from flash_attn import _dispatch, _validate, build_matrix, reference
 
 
 # ---- GPU tests --------------------------------------------------------------------------------
@@ -90,17 +90,22 @@ def cuda_device():
 
 # ---- a pure-PyTorch stand-in for flash_attn._C ------------------------------------------------
 
-def _probs(q, k, softmax_scale, causal):
-    """(probs, lse) in fp32, (b, h, sq, sk) / (b, h, sq), K already expanded to q's heads."""
+def _probs(q, k, softmax_scale, causal, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """(probs, lse, tanh) in fp32, (b, h, sq, sk) / (b, h, sq), K already expanded to q's heads;
+    tanh is the softcap's tanh(scores / softcap) (for the backward), None without softcap."""
     scores = q @ k.transpose(-1, -2) * softmax_scale
-    if causal:
-        sq, sk = scores.shape[-2:]
-        i = torch.arange(sq).unsqueeze(1)
-        j = torch.arange(sk).unsqueeze(0)
-        scores = scores.masked_fill(j > i + sk - sq, -math.inf)
+    tanh = None
+    if softcap > 0:
+        tanh = torch.tanh(scores / softcap)
+        scores = softcap * tanh
+    sq, sk = scores.shape[-2:]
+    if alibi_slopes is not None:
+        scores = scores + reference.alibi_bias(alibi_slopes, sq, sk).float()
+    visible = reference.attention_mask(sq, sk, causal, window, device=scores.device)
+    scores = scores.masked_fill(~visible, -math.inf)
     lse = scores.logsumexp(-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return probs, lse
+    return probs, lse, tanh
 
 
 def _heads_first(q, k, v):
@@ -109,24 +114,32 @@ def _heads_first(q, k, v):
     return qf, kf.repeat_interleave(group, 1), vf.repeat_interleave(group, 1), group
 
 
-def naive_attention(q, k, v, softmax_scale, causal):
+def _dropped(p, keep, dropout_p):
+    return p if keep is None else p * keep / (1.0 - dropout_p)
+
+
+def naive_attention(q, k, v, softmax_scale, causal, window=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, dropout_p=0.0, keep=None):
     """fp32 reference: (out, lse) in the kernels' layouts and conventions (bottom-right causal,
-    lse +inf and out 0 for a row that sees no key)."""
+    lse +inf and out 0 for a row that sees no key). keep: (b, h, sq, sk) bool dropout mask."""
     qf, kf, vf, _ = _heads_first(q, k, v)
-    probs, lse = _probs(qf, kf, softmax_scale, causal)
-    out = (probs @ vf).transpose(1, 2)
+    probs, lse, _ = _probs(qf, kf, softmax_scale, causal, window, softcap, alibi_slopes)
+    out = (_dropped(probs, keep, dropout_p) @ vf).transpose(1, 2)
     return out, torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
 
 
-def naive_attention_bwd(dout, q, k, v, softmax_scale, causal):
+def naive_attention_bwd(dout, q, k, v, softmax_scale, causal, window=(-1, -1), softcap=0.0,
+                        alibi_slopes=None, dropout_p=0.0, keep=None):
     """fp32 (dq, dk, dv) of naive_attention, written out: an op implementation runs below
     autograd, so it cannot call torch.autograd.grad."""
     qf, kf, vf, group = _heads_first(q, k, v)
     do = dout.float().transpose(1, 2)
-    probs, _ = _probs(qf, kf, softmax_scale, causal)
-    dv = probs.transpose(-1, -2) @ do
-    dp = do @ vf.transpose(-1, -2)
+    probs, _, tanh = _probs(qf, kf, softmax_scale, causal, window, softcap, alibi_slopes)
+    dv = _dropped(probs, keep, dropout_p).transpose(-1, -2) @ do
+    dp = _dropped(do @ vf.transpose(-1, -2), keep, dropout_p)
     ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
+    if tanh is not None:
+        ds = ds * (1 - tanh * tanh)     # d(softcap * tanh(s / softcap)) / ds
     dq = ds @ kf * softmax_scale
     dk = ds.transpose(-1, -2) @ qf * softmax_scale
     b, h, sk, d = dk.shape
@@ -136,12 +149,22 @@ def naive_attention_bwd(dout, q, k, v, softmax_scale, causal):
 
 
 class FakeExtension(types.ModuleType):
-    """flash_attn._C's functions computed by the naive reference; records its calls."""
+    """flash_attn._C's functions computed by the naive reference; records its calls.
+
+    Dropout: like the real extension, the forward takes a (seed, offset) from a generator (here
+    its own: a fixed seed, the offset advanced by 4 per call) and writes it to rng_state; the
+    mask is a pure function of rng_state (``dropout_mask``), so the backward and
+    return_attn_probs see the forward's mask. The draws are torch's, not the kernels' Philox.
+    """
+
+    SEED = 1234
 
     def __init__(self, configs):
         super().__init__("flash_attn._C")
         self.configs = configs
         self.calls = []
+        self.offset = 0
+        self.rng_states = []   # what each forward with dropout wrote
 
     @property
     def configs(self):
@@ -157,16 +180,54 @@ class FakeExtension(types.ModuleType):
     def built_configs(self):
         return list(self.configs)
 
-    def fwd(self, q, k, v, out, lse, softmax_scale, causal, family):
-        self.calls.append(("fwd", family, tuple(q.shape), softmax_scale, causal))
-        o, l = naive_attention(q, k, v, softmax_scale, causal)
+    @staticmethod
+    def _check_family(family, window_left, window_right, causal, softcap, alibi_slopes,
+                      dropout_p):
+        # The real extension's second line of defence: fa1 runs causal and GQA only.
+        local = window_left >= 0 or (window_right >= 0 and not (causal or window_right == 0))
+        if family == "fa1" and (local or softcap > 0 or alibi_slopes is not None
+                                or dropout_p > 0):
+            raise RuntimeError("flash_attn: fa1 supports causal and GQA only")
+
+    def dropout_mask(self, rng_state, batch, heads, seqlen_q, seqlen_k, dropout_p):
+        seed, offset = (int(x) for x in rng_state.tolist())
+        g = torch.Generator().manual_seed(seed * 1_000_003 + offset)
+        return torch.rand(batch, heads, seqlen_q, seqlen_k, generator=g) >= dropout_p
+
+    def _keep(self, rng_state, q, k, dropout_p):
+        if dropout_p == 0:
+            return None
+        return self.dropout_mask(rng_state, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+                                 dropout_p)
+
+    def fwd(self, q, k, v, out, lse, rng_state, alibi_slopes, softmax_scale, causal,
+            window_left, window_right, softcap, dropout_p, family):
+        self.calls.append(("fwd", family, tuple(q.shape), softmax_scale, causal,
+                           (window_left, window_right), softcap, alibi_slopes, dropout_p))
+        self._check_family(family, window_left, window_right, causal, softcap, alibi_slopes,
+                           dropout_p)
+        if dropout_p > 0:
+            rng_state.copy_(torch.tensor([self.SEED, self.offset]))
+            self.offset += 4
+            self.rng_states.append(rng_state.clone())
+        # The truth the tests trust, in float64.
+        o, l = reference.attention_ref(
+            q, k, v, causal=causal, window_size=(window_left, window_right), softcap=softcap,
+            alibi_slopes=alibi_slopes, softmax_scale=softmax_scale, dropout_p=dropout_p,
+            dropout_mask=self._keep(rng_state, q, k, dropout_p), return_lse=True)
         out.copy_(o)
         lse.copy_(l)
 
-    def bwd(self, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
-            family):
-        self.calls.append(("bwd", family, tuple(q.shape), softmax_scale, causal, deterministic))
-        grads = naive_attention_bwd(dout, q, k, v, softmax_scale, causal)
+    def bwd(self, dout, q, k, v, out, lse, rng_state, dq, dk, dv, alibi_slopes, softmax_scale,
+            causal, window_left, window_right, softcap, dropout_p, deterministic, family):
+        self.calls.append(("bwd", family, tuple(q.shape), softmax_scale, causal,
+                           (window_left, window_right), softcap, alibi_slopes, dropout_p,
+                           deterministic))
+        self._check_family(family, window_left, window_right, causal, softcap, alibi_slopes,
+                           dropout_p)
+        grads = naive_attention_bwd(dout, q, k, v, softmax_scale, causal,
+                                    (window_left, window_right), softcap, alibi_slopes,
+                                    dropout_p, self._keep(rng_state, q, k, dropout_p))
         for dst, src in zip((dq, dk, dv), grads):
             dst.copy_(src)
 

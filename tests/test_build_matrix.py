@@ -65,7 +65,10 @@ def test_switches_trim():
     assert {c.hdim for c in got} == {64, 128}
     assert {c.direction for c in got} == set(M.FAMILIES["fa1"].directions)
     # Commas work as separators too.
-    assert M.selected_configs({"FLASH_ATTN_HDIMS": "64,128", "FLASH_ATTN_DTYPES": "fp16"}) == got
+    assert M.selected_configs({"FLASH_ATTN_FAMILIES": "fa1", "FLASH_ATTN_HDIMS": "64,128",
+                               "FLASH_ATTN_DTYPES": "fp16"}) == got
+    # A head dim only fa2 has selects fa2 alone.
+    assert {c.family for c in M.selected_configs({"FLASH_ATTN_HDIMS": "192"})} == {"fa2"}
 
 
 @pytest.mark.parametrize("env,pattern", [
@@ -104,6 +107,26 @@ def test_runs_on(arch, built, runs):
     assert M.runs_on(arch, built) is runs
 
 
+def test_fa2_entry():
+    f = M.FAMILIES["fa2"]
+    assert (f.min_arch, dict(f.dtype_min_arch)) == (80, {"fp16": 80, "bf16": 80})
+    assert f.hdims == (32, 64, 96, 128, 192, 256)
+    assert f.directions == ("fwd", "bwd")
+    assert f.features == set(_validate.FEATURES)
+
+
+def test_sm75_in_the_targets_with_fa2():
+    # fa2 is compiled for every target (its bodies are empty below sm80): sm75 stays a valid
+    # target, and its code does not count as fa2 code for a newer GPU.
+    assert M.cuda_archs({"FLASH_ATTN_CUDA_ARCHS": "75;80"}) == [75, 80]
+    assert M.kernel_runs_on(80, 80, [75, 80])
+    assert not M.kernel_runs_on(80, 80, [75])        # only sm75 PTX: empty fa2 bodies
+    assert M.kernel_runs_on(75, 80, [75])            # fa1 fp16 runs from the sm75 PTX
+    assert not M.kernel_runs_on(80, 86, [75, 90])
+    assert M.kernel_runs_on(80, 90, [75, 80])        # the sm80 PTX
+    assert M.kernel_runs_on(80, 100, [75, 80, 90])
+
+
 def test_write_sources_built_archs(tmp_path):
     M.write_sources(tmp_path, M.selected_configs({"FLASH_ATTN_HDIMS": "64"}), archs=[90, 80])
     text = (tmp_path / "built_archs.inc").read_text()
@@ -120,11 +143,19 @@ def test_supports():
     assert M.supports("fa1", "fp32", 64, 80).startswith("fa1 supports dtypes")
     assert M.supports("fa1", "fp16", 129, 80) == "fa1 supports head dims up to 128, got 129"
     assert "does not exist" in M.supports("fa9", "fp16", 64, 80)
+    assert M.supports("fa2", "bf16", 256, 80) is None
+    assert M.supports("fa2", "fp16", 64, 75) == "fa2 needs sm80+, this GPU is sm75"
+    assert M.supports("fa2", "fp16", 264, 90) == "fa2 supports head dims up to 256, got 264"
 
 
 @pytest.mark.parametrize("hdim,kernel", [(1, 32), (8, 32), (32, 32), (33, 64), (72, 96), (96, 96), (120, 128), (128, 128)])
 def test_kernel_hdim_rounds_up(hdim, kernel):
     assert M.kernel_hdim("fa1", hdim) == kernel
+
+
+@pytest.mark.parametrize("hdim,kernel", [(8, 32), (72, 96), (136, 192), (192, 192), (200, 256), (256, 256)])
+def test_fa2_kernel_hdim_rounds_up(hdim, kernel):
+    assert M.kernel_hdim("fa2", hdim) == kernel
 
 
 def test_kernel_hdim_past_the_largest():
@@ -153,6 +184,8 @@ def test_write_sources(tmp_path):
         assert int(min_arch) == max(f.min_arch, f.dtype_min_arch[dtype])
     assert ("fa1", "fwd", "__nv_bfloat16", "bf16", "64", "80") in rows
     assert ("fa1", "bwd", "__half", "fp16", "128", "75") in rows
+    assert ("fa2", "fwd", "__half", "fp16", "64", "80") in rows
+    assert ("fa2", "bwd", "__nv_bfloat16", "bf16", "128", "80") in rows
 
 
 def test_write_sources_leaves_unchanged_files_alone(tmp_path):

@@ -1,10 +1,11 @@
 """The dispatch table: automatic choice per arch, forcing by env var / backend=, and the errors.
 
-Most tests run ``choose`` (pure) against a build matrix with stand-in fa2 / fa3 families, so the
-rules are exercised before those kernels exist; the rest go through the public functions with
-the CPU stand-in extension (tests/conftest.py).
+Most tests run ``choose`` (pure) against the build matrix (fa1, fa2) plus a stand-in fa3 family,
+so the rules are exercised before that family exists; the rest go through the public functions
+with the CPU stand-in extension (tests/conftest.py).
 """
 
+import re
 import sys
 import warnings
 
@@ -20,10 +21,9 @@ ALL = frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout"})
 
 @pytest.fixture
 def three_families(monkeypatch):
-    """FAMILIES as they will look with fa2 and fa3: fa3 forward-only without alibi / dropout."""
+    """FAMILIES as they will look with fa3: fa3 forward-only without alibi / dropout."""
     families = dict(build_matrix.FAMILIES)
-    families["fa2"] = build_matrix.Family(
-        "fa2", 80, {"fp16": 80, "bf16": 80}, (32, 64, 96, 128, 160, 192, 256), ("fwd", "bwd"), ALL)
+    assert families["fa2"].features == ALL
     families["fa3"] = build_matrix.Family(
         "fa3", 90, {"fp16": 90, "bf16": 90}, (64, 128, 256), ("fwd",),
         frozenset({"causal", "gqa", "local", "softcap"}))
@@ -77,11 +77,35 @@ def test_only_fa1_built_on_sm80(three_families):
 
 
 def test_real_matrix_has_no_fallback_warning():
-    # With fa1 the only implemented family, fa1 is every arch's first choice: nothing to warn.
+    # fa3 is not implemented yet, so sm90's first choice is fa2: nothing to warn about.
     with warnings.catch_warnings():
         warnings.simplefilter("error", D.BackendFallbackWarning)
-        for arch in (75, 80, 90):
-            assert D.choose(arch, "fp16", 64, {"causal"}, built=built("fa1")) == "fa1"
+        for arch, family in ((75, "fa1"), (80, "fa2"), (86, "fa2"), (90, "fa2")):
+            assert D.choose(arch, "fp16", 64, {"causal"}, built=built("fa1", "fa2")) == family
+            assert D.choose(arch, "fp16", 64, {"causal", "gqa"}, need_bwd=True,
+                            built=built("fa1", "fa2")) == family
+
+
+@pytest.mark.parametrize("feature", ["local", "softcap", "alibi", "dropout"])
+def test_fa2_features_on_the_real_matrix(feature):
+    b = built("fa1", "fa2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", D.BackendFallbackWarning)
+        for arch in (80, 90):
+            assert D.choose(arch, "bf16", 128, {"causal", feature}, need_bwd=True, built=b) == "fa2"
+    with pytest.raises(NotImplementedError, match=rf"backend='fa1' cannot run this call .*: fa1 does not support {re.escape(D._FEATURE_TEXT[feature])}\. backend='fa2' would run it"):
+        D.choose(80, "fp16", 64, {feature}, "fa1", built=b)
+    # On sm75 nothing runs it; the error says which family would, and on what GPU.
+    with pytest.raises(NotImplementedError, match=r"fa2: fa2 needs sm80\+, this GPU is sm75.*families with every feature of this call: fa2 \(sm80\+\)"):
+        D.choose(75, "fp16", 64, {feature}, built=b)
+
+
+def test_fa2_head_dims_past_fa1():
+    b = built("fa1", "fa2")
+    assert D.choose(80, "fp16", 200, (), built=b) == "fa2"
+    assert D.why_not("fa2", 80, "fp16", 256, (), ("fwd", "bwd"), b) is None
+    with pytest.raises(NotImplementedError, match=r"fa1 supports head dims up to 128, got 200"):
+        D.choose(75, "fp16", 200, (), built=b)
 
 
 def test_nothing_can_run(three_families):
@@ -132,8 +156,8 @@ def test_forced_family_that_cannot_run(three_families):
 
 
 def test_forcing_an_unimplemented_family():
-    with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call .*: fa3 is not implemented in this version of flash_attn \(implemented: fa1\)\. backend='fa1' would run it"):
-        D.choose(90, "fp16", 64, (), "fa3", built=built("fa1"))
+    with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call .*: fa3 is not implemented in this version of flash_attn \(implemented: fa1, fa2\)\. backend='fa2' would run it"):
+        D.choose(90, "fp16", 64, (), "fa3", built=built("fa1", "fa2"))
 
 
 def test_requested_backend(monkeypatch):
@@ -169,15 +193,20 @@ def _qkv(d=64, dtype=torch.float16, h=4, hk=4):
 
 def test_env_var_is_read_at_call_time(fake_ext, monkeypatch):
     q, k, v = _qkv()
-    assert flash_attn.select_backend(q, k, v) == "fa1"
-    monkeypatch.setenv(D.ENV_VAR, "fa2")
-    with pytest.raises(NotImplementedError, match=r"backend='fa2' cannot run this call"):
-        flash_attn.flash_attn_func(q, k, v)
+    assert flash_attn.select_backend(q, k, v) == "fa2"
+    monkeypatch.setenv(D.ENV_VAR, "fa1")
+    flash_attn.flash_attn_func(q, k, v)
+    assert fake_ext.calls[-1][:2] == ("fwd", "fa1")
+    with pytest.raises(NotImplementedError, match=r"backend='fa1' cannot run this call .*backend='fa2' would run it"):
+        flash_attn.flash_attn_func(q, k, v, softcap=10.0)
     # backend= overrides the environment, both ways.
-    flash_attn.flash_attn_func(q, k, v, backend="fa1")
-    assert fake_ext.calls[-1][:2] == ("fwd", "fa1")
+    flash_attn.flash_attn_func(q, k, v, backend="fa2")
+    assert fake_ext.calls[-1][:2] == ("fwd", "fa2")
     flash_attn.flash_attn_func(q, k, v, backend="auto")
-    assert fake_ext.calls[-1][:2] == ("fwd", "fa1")
+    assert fake_ext.calls[-1][:2] == ("fwd", "fa2")
+    monkeypatch.setenv(D.ENV_VAR, "fa3")
+    with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call"):
+        flash_attn.flash_attn_func(q, k, v)
     monkeypatch.setenv(D.ENV_VAR, "fa1")
     assert flash_attn.select_backend(q, k, v) == "fa1"
 
@@ -267,5 +296,27 @@ def test_build_without_code_for_this_arch(fake_ext, monkeypatch):
     family, error, message = D._decide(80, "fp16", 64, frozenset(), None, False)
     assert (family, error) == ("", "RuntimeError")
     assert "sm90" in message and "sm80" in message and "FLASH_ATTN_CUDA_ARCHS" in message
-    assert D._decide(90, "fp16", 64, frozenset(), None, False)[0] == "fa1"
+    assert D._decide(90, "fp16", 64, frozenset(), None, False)[0] == "fa2"
+    D._BUILT_CACHE.clear()
+
+
+def test_sm75_only_build_on_an_sm80_gpu(fake_ext, monkeypatch):
+    """FLASH_ATTN_CUDA_ARCHS=75 on an A100: the sm75 PTX runs, but fa2's kernels are empty in it
+    (they need sm80), so fa1 runs, visibly, and a forced fa2 says why not."""
+    fake_ext.built_archs = lambda: [75]
+    D._BUILT_CACHE.clear()
+    D._DECISIONS.clear()
+    q, k, v = _qkv()
+    with pytest.warns(D.BackendFallbackWarning, match=r"running fa1 instead of fa2.*fa2 fp16 kernels need code for sm80\+ that runs on sm80, and its targets are sm75; rebuild with FLASH_ATTN_CUDA_ARCHS including 80"):
+        assert flash_attn.select_backend(q, k, v) == "fa1"
+    with pytest.raises(NotImplementedError, match=r"backend='fa2' cannot run this call .*targets are sm75"):
+        flash_attn.flash_attn_func(q, k, v, backend="fa2")
+    with pytest.raises(NotImplementedError, match=r"fa1 runs bf16|kernels need code for sm80"):
+        flash_attn.flash_attn_func(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert flash_attn.available_backends() == ["fa1"]
+    fake_ext.built_archs = lambda: [75, 80]
+    D._BUILT_CACHE.clear()
+    assert flash_attn.available_backends() == ["fa2", "fa1"]
     D._BUILT_CACHE.clear()

@@ -387,12 +387,16 @@ def test_opcheck_real_kernels(causal):
     _skip_unless_built(torch.float16, 64)
     q = _randn(2, 77, 4, 64, dtype=torch.float16)
     k, v = _randn(2, 93, 2, 64, dtype=torch.float16), _randn(2, 93, 2, 64, dtype=torch.float16)
+    # FA1 has no window, softcap, ALiBi or dropout: (-1, -1), 0.0, None, 0.0.
+    features = (-1, -1, 0.0, None, 0.0)
     torch.library.opcheck(torch.ops.flash_attn.fwd.default,
-                          (q, k, v, 0.125, causal, False, BACKEND))
-    out, lse = torch.ops.flash_attn.fwd(q, k, v, 0.125, causal, False, BACKEND)
+                          (q, k, v, 0.125, causal, *features, False, BACKEND))
+    out, lse, rng_state = torch.ops.flash_attn.fwd(q, k, v, 0.125, causal, *features, False,
+                                                   BACKEND)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.flash_attn.bwd.default,
-                          (dout, q, k, v, out, lse, 0.125, causal, True, BACKEND))
+                          (dout, q, k, v, out, lse, rng_state, 0.125, causal, *features, True,
+                           BACKEND))
 
 
 def test_compile_fullgraph_forward_backward():
@@ -442,7 +446,15 @@ def _bad_calls():
                                                               backend=BACKEND), NotImplementedError),
         ("lse on the CPU, straight into the extension", lambda: importlib.import_module(
             "flash_attn._C").fwd(q, k, v, torch.empty_like(q),
-                                 torch.empty(1, 4, 64, dtype=torch.float32), 0.125, False, BACKEND),
+                                 torch.empty(1, 4, 64, dtype=torch.float32),
+                                 torch.zeros(2, dtype=torch.int64, device=DEVICE), None, 0.125,
+                                 False, -1, -1, 0.0, 0.0, BACKEND),
+         RuntimeError),
+        ("dropout straight into fa1's extension entry", lambda: importlib.import_module(
+            "flash_attn._C").fwd(q, k, v, torch.empty_like(q),
+                                 torch.empty(1, 4, 64, dtype=torch.float32, device=DEVICE),
+                                 torch.zeros(2, dtype=torch.int64, device=DEVICE), None, 0.125,
+                                 False, -1, -1, 0.0, 0.1, BACKEND),
          RuntimeError),
     ]
 

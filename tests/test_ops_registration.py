@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_attn
 from flash_attn import _validate
-from conftest import naive_attention
+from conftest import _heads_first, _probs, naive_attention
 
 
 # ---- schemas and signatures -------------------------------------------------------------------
@@ -22,11 +22,17 @@ from conftest import naive_attention
 def test_schemas():
     assert str(torch.ops.flash_attn.fwd.default._schema) == (
         "flash_attn::fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
-        "bool deterministic, str backend) -> (Tensor out, Tensor lse)")
+        "int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
+        "float dropout_p, bool deterministic, str backend) "
+        "-> (Tensor out, Tensor lse, Tensor rng_state)")
     assert str(torch.ops.flash_attn.bwd.default._schema) == (
         "flash_attn::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "float softmax_scale, bool causal, bool deterministic, str backend) "
-        "-> (Tensor dq, Tensor dk, Tensor dv)")
+        "Tensor rng_state, float softmax_scale, bool causal, int window_left, "
+        "int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
+        "bool deterministic, str backend) -> (Tensor dq, Tensor dk, Tensor dv)")
+    assert str(torch.ops.flash_attn.dropout_mask.default._schema) == (
+        "flash_attn::dropout_mask(Tensor rng_state, int batch, int nheads, int seqlen_q, "
+        "int seqlen_k, float dropout_p) -> Tensor")
 
 
 _COMMON = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
@@ -77,11 +83,16 @@ def test_fake_fwd_bwd_shapes():
     q = _fake_cuda(mode, 2, 5, 6, 64, dtype=torch.bfloat16)
     k = _fake_cuda(mode, 2, 7, 2, 64, dtype=torch.bfloat16)
     with mode:
-        out, lse = torch.ops.flash_attn.fwd(q, k, k, 0.125, True, False, "fa1")
+        out, lse, rng_state = torch.ops.flash_attn.fwd(q, k, k, 0.125, False, 16, 0, 30.0, None,
+                                                       0.1, False, "fa2")
         assert (out.shape, out.dtype, out.device.type) == ((2, 5, 6, 64), torch.bfloat16, "cuda")
         assert out.is_contiguous()
         assert (lse.shape, lse.dtype, lse.device.type) == ((2, 6, 5), torch.float32, "cuda")
-        dq, dk, dv = torch.ops.flash_attn.bwd(out, q, k, k, out, lse, 0.125, True, True, "fa1")
+        assert (rng_state.shape, rng_state.dtype, rng_state.device.type) == ((2,), torch.int64, "cuda")
+        mask = torch.ops.flash_attn.dropout_mask(rng_state, 2, 6, 5, 7, 0.1)
+        assert (mask.shape, mask.dtype, mask.device.type) == ((2, 6, 5, 7), torch.bool, "cuda")
+        dq, dk, dv = torch.ops.flash_attn.bwd(out, q, k, k, out, lse, rng_state, 0.125, False,
+                                              16, 0, 30.0, None, 0.1, True, "fa2")
         assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
         assert {dq.dtype, dk.dtype, dv.dtype} == {torch.bfloat16}
         assert dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous()
@@ -102,6 +113,12 @@ def test_public_function_under_fake_tensors(fake_cuda):
         assert out.shape == (2, 5, 6, 60) and out.dtype == torch.float16
         assert lse.shape == (2, 6, 5) and lse.dtype == torch.float32
         assert probs is None
+        alibi = torch.empty(2, 6, device="cuda")
+        out, lse, probs = flash_attn.flash_attn_func(
+            q, k, k, dropout_p=0.2, window_size=(3, 2), softcap=5.0, alibi_slopes=alibi,
+            return_attn_probs=True)
+        assert out.shape == (2, 5, 6, 60) and lse.shape == (2, 6, 5)
+        assert (probs.shape, probs.dtype, probs.device.type) == ((2, 6, 5, 7), torch.float16, "cuda")
         qkv = _fake_cuda(fake_cuda, 2, 5, 3, 4, 96)
         assert flash_attn.flash_attn_qkvpacked_func(qkv).shape == (2, 5, 4, 96)
         kv = _fake_cuda(fake_cuda, 2, 9, 2, 2, 40)
@@ -123,9 +140,9 @@ def _qkv(b=2, sq=5, sk=7, h=6, hk=2, d=60, dtype=torch.float16, grad=True):
     return ts
 
 
-def _reference(q, k, v, scale, causal):
+def _reference(q, k, v, scale, causal, **features):
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-    out, lse = naive_attention(qf, kf, vf, scale, causal)
+    out, lse = naive_attention(qf, kf, vf, scale, causal, **features)
     return out, lse, (qf, kf, vf)
 
 
@@ -169,21 +186,129 @@ def test_arguments_reach_the_extension(fake_ext):
     out = flash_attn.flash_attn_func(q, k, v, softmax_scale=0.25, causal=True, deterministic=True)
     out.float().sum().backward()
     fwd, bwd = fake_ext.calls
-    assert fwd == ("fwd", "fa1", (2, 5, 6, 64), 0.25, True)
-    assert bwd == ("bwd", "fa1", (2, 5, 6, 64), 0.25, True, True)
+    assert fwd == ("fwd", "fa2", (2, 5, 6, 64), 0.25, True, (-1, -1), 0.0, None, 0.0)
+    assert bwd == ("bwd", "fa2", (2, 5, 6, 64), 0.25, True, (-1, -1), 0.0, None, 0.0, True)
+    flash_attn.flash_attn_func(q, k, v, causal=True, backend="fa1")
+    assert fake_ext.calls[-1][:2] == ("fwd", "fa1")
+
+
+def test_features_reach_the_extension(fake_ext):
+    q, k, v = _qkv(d=64)
+    alibi = torch.rand(2, 6)[:, ::1].t().contiguous().t()      # (2, 6), not contiguous
+    assert not alibi.is_contiguous()
+    out = flash_attn.flash_attn_func(q, k, v, dropout_p=0.25, softmax_scale=0.5, causal=True,
+                                     window_size=(3, 9), softcap=20, alibi_slopes=alibi)
+    out.float().sum().backward()
+    fwd, bwd = fake_ext.calls
+    # causal with a left side is local, right = 0 (2.x's rule); softcap arrives as a float.
+    assert fwd[:7] == ("fwd", "fa2", (2, 5, 6, 64), 0.5, False, (3, 0), 20.0)
+    assert isinstance(fwd[6], float)
+    assert fwd[7].is_contiguous() and torch.equal(fwd[7], alibi) and fwd[8] == 0.25
+    assert bwd[:7] == ("bwd", "fa2", (2, 5, 6, 64), 0.5, False, (3, 0), 20.0)
+    assert torch.equal(bwd[7], alibi) and bwd[8:] == (0.25, False)
 
 
 def test_window_minus_one_zero_runs_as_causal(fake_ext):
     q, k, v = _qkv(grad=False)
     out = flash_attn.flash_attn_func(q, k, v, window_size=(-1, 0))
-    assert fake_ext.calls[-1][-1] is True
+    assert fake_ext.calls[-1][4:6] == (True, (-1, -1))
     torch.testing.assert_close(out, flash_attn.flash_attn_func(q, k, v, causal=True))
+
+
+# ---- the fa2 features, end to end through the stand-in (window, softcap, ALiBi, dropout) -------
+
+FEATURES = {
+    "local": dict(window_size=(2, 1)),
+    "causal_local": dict(causal=True, window_size=(3, -1)),
+    "softcap": dict(softcap=2.0),
+    "alibi_heads": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 1.0, 2.0, 0.0])),
+    "alibi_batch": dict(alibi_slopes=torch.rand(2, 6)),
+    "dropout": dict(dropout_p=0.3),
+    "all": dict(causal=True, window_size=(4, 0), softcap=3.0, alibi_slopes=torch.rand(6),
+                dropout_p=0.2),
+}
+
+
+def _as_reference_kwargs(kwargs, q, k, fake_ext):
+    causal, (left, right) = kwargs.get("causal", False), kwargs.get("window_size", (-1, -1))
+    ref = dict(window=(left, 0 if causal else right), softcap=kwargs.get("softcap", 0.0),
+               alibi_slopes=kwargs.get("alibi_slopes"), dropout_p=kwargs.get("dropout_p", 0.0))
+    if ref["dropout_p"] > 0:
+        ref["keep"] = fake_ext.dropout_mask(fake_ext.rng_states[-1], q.shape[0], q.shape[2],
+                                            q.shape[1], k.shape[1], ref["dropout_p"])
+    return causal, ref
+
+
+@pytest.mark.parametrize("name", sorted(FEATURES))
+def test_fa2_features_match_the_reference(fake_ext, name):
+    kwargs = FEATURES[name]
+    q, k, v = _qkv(sq=9, sk=11, d=60)
+    out, lse, probs = flash_attn.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+    assert fake_ext.calls[-1][:2] == ("fwd", "fa2")
+    causal, ref_kwargs = _as_reference_kwargs(kwargs, q, k, fake_ext)
+    ref, ref_lse, inputs = _reference(q, k, v, 60 ** -0.5, causal, **ref_kwargs)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref.backward(dout.float())
+    for got, want in zip((q, k, v), inputs):
+        torch.testing.assert_close(got.grad.float(), want.grad, atol=5e-3, rtol=5e-3)
+    if "dropout_p" not in kwargs:
+        assert probs is None
+        return
+    # S_dmask: the probabilities before dropout, negated where dropout dropped them.
+    qf, kf, _, _ = _heads_first(q.detach(), k.detach(), v.detach())
+    p_ref = _probs(qf, kf, 60 ** -0.5, causal, ref_kwargs["window"], ref_kwargs["softcap"],
+                   ref_kwargs["alibi_slopes"])[0]
+    assert probs.shape == (2, 6, 9, 11) and probs.dtype == q.dtype
+    assert torch.equal(torch.signbit(probs), ~ref_kwargs["keep"])
+    torch.testing.assert_close(probs.abs().float(), p_ref, atol=1e-3, rtol=1e-3)
+
+
+def test_rng_state(fake_ext):
+    q, k, v = _qkv(d=64, grad=False)
+    _, _, rng_state = torch.ops.flash_attn.fwd(q, k, v, 0.125, False, -1, -1, 0.0, None, 0.0,
+                                               False, "fa2")
+    assert torch.equal(rng_state, torch.zeros(2, dtype=torch.int64))   # no dropout: zeros
+    _, _, first = torch.ops.flash_attn.fwd(q, k, v, 0.125, False, -1, -1, 0.0, None, 0.5,
+                                           False, "fa2")
+    out2, _, second = torch.ops.flash_attn.fwd(q, k, v, 0.125, False, -1, -1, 0.0, None, 0.5,
+                                               False, "fa2")
+    assert first.tolist() == [fake_ext.SEED, 0] and second.tolist() == [fake_ext.SEED, 4]
+    # No key: nothing drawn, nothing launched.
+    _, _, empty = torch.ops.flash_attn.fwd(q, k[:, :0], v[:, :0], 0.125, False, -1, -1, 0.0,
+                                           None, 0.5, False, "fa2")
+    assert torch.equal(empty, torch.zeros(2, dtype=torch.int64))
+    assert len(fake_ext.calls) == 3
+
+
+def test_dropout_backward_uses_the_forwards_mask(fake_ext):
+    q, k, v = _qkv(d=64)
+    out1 = flash_attn.flash_attn_func(q, k, v, dropout_p=0.5)
+    out2 = flash_attn.flash_attn_func(q, k, v, dropout_p=0.5)
+    assert not torch.equal(out1, out2)          # fresh draws per call
+    out1.float().sum().backward()               # the first call's mask, not the latest
+    causal, ref_kwargs = _as_reference_kwargs(dict(dropout_p=0.5), q, k, fake_ext)
+    ref_kwargs["keep"] = fake_ext.dropout_mask(fake_ext.rng_states[0], 2, 6, 5, 7, 0.5)
+    ref, _, inputs = _reference(q, k, v, 64 ** -0.5, causal, **ref_kwargs)
+    ref.float().sum().backward()
+    for got, want in zip((q, k, v), inputs):
+        torch.testing.assert_close(got.grad.float(), want.grad, atol=5e-3, rtol=5e-3)
+
+
+def test_alibi_slopes_get_no_gradient(fake_ext):
+    q, k, v = _qkv(d=64)
+    slopes = torch.rand(6, requires_grad=True)
+    flash_attn.flash_attn_func(q, k, v, alibi_slopes=slopes).float().sum().backward()
+    assert slopes.grad is None and q.grad is not None
 
 
 def test_empty_sequences(fake_ext):
     q, k, v = _qkv(sk=0)
-    out, lse, _ = flash_attn.flash_attn_func(q, k, v, return_attn_probs=True)
+    out, lse, probs = flash_attn.flash_attn_func(q, k, v, dropout_p=0.1, return_attn_probs=True)
     assert torch.equal(out, torch.zeros_like(out)) and bool((lse == math.inf).all())
+    assert probs.shape == (2, 6, 5, 0)
     out.float().sum().backward()
     assert torch.equal(q.grad, torch.zeros_like(q))
     q, k, v = _qkv(sq=0)
@@ -209,17 +334,59 @@ def test_misaligned_views_are_copied_for_the_kernels(fake_ext):
 
 # ---- opcheck and torch.compile ----------------------------------------------------------------
 
-def test_opcheck_fwd_bwd(fake_ext):
+@pytest.mark.parametrize("family,features", [
+    ("fa1", (True, -1, -1, 0.0, None)),
+    ("fa2", (False, 3, 1, 5.0, torch.rand(2, 6))),
+])
+def test_opcheck_fwd_bwd(fake_ext, family, features):
     q, k, v = _qkv(d=64)
-    torch.library.opcheck(torch.ops.flash_attn.fwd.default, (q, k, v, 0.125, True, False, "fa1"))
+    fwd_args = (q, k, v, 0.125, *features, 0.0, False, family)
+    torch.library.opcheck(torch.ops.flash_attn.fwd.default, fwd_args)
+    # With dropout the forward draws anew each call, so opcheck (which compares calls) sees the
+    # backward only, which is a pure function of rng_state.
+    dropout_p = 0.0 if family == "fa1" else 0.25
     with torch.no_grad():
-        out, lse = torch.ops.flash_attn.fwd(q, k, v, 0.125, True, False, "fa1")
-    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, 0.125, True, False, "fa1")
+        out, lse, rng_state = torch.ops.flash_attn.fwd(q, k, v, 0.125, *features, dropout_p,
+                                                       False, family)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, rng_state, 0.125,
+            *features, dropout_p, False, family)
     torch.library.opcheck(torch.ops.flash_attn.bwd.default, args)
+    torch.library.opcheck(torch.ops.flash_attn.dropout_mask.default,
+                          (torch.tensor([7, 8]), 2, 6, 5, 7, 0.25))
 
 
 def _attn(q, k, v, scale):
     return flash_attn.flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+
+
+def _attn_features(q, k, v, slopes):
+    return flash_attn.flash_attn_func(q, k, v, window_size=(3, 2), softcap=4.0,
+                                      alibi_slopes=slopes)
+
+
+def test_compile_fullgraph_with_features(fake_ext):
+    compiled = torch.compile(_attn_features, backend="aot_eager", fullgraph=True)
+    q, k, v = _qkv(sq=9, sk=11)
+    slopes = torch.rand(6)
+    out = compiled(q, k, v, slopes)
+    out.float().sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = _attn_features(q2, k2, v2, slopes)
+    ref.float().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, (q2.grad, k2.grad, v2.grad)):
+        torch.testing.assert_close(g, r)
+
+
+def test_compile_dropout_with_attn_probs(fake_ext):
+    def f(q, k, v):
+        return flash_attn.flash_attn_func(q, k, v, dropout_p=0.4, return_attn_probs=True)
+
+    q, k, v = _qkv(grad=False)
+    out, lse, probs = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    keep = fake_ext.dropout_mask(fake_ext.rng_states[-1], 2, 6, 5, 7, 0.4)
+    assert torch.equal(torch.signbit(probs), ~keep)
 
 
 def test_compile_fullgraph_matches_eager(fake_ext):

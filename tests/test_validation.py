@@ -268,18 +268,34 @@ def test_gpu_too_old(fake_ext):
         flash_attn.flash_attn_func(q, k, v)
 
 
-@pytest.mark.parametrize("kwargs,pattern", [
+FA2_FEATURES = [
     (dict(window_size=(2, 2)), r"fa1 does not support local attention \(window_size != \(-1, -1\)\)"),
+    (dict(causal=True, window_size=(3, -1)), r"fa1 does not support local attention \(window_size != \(-1, -1\)\)"),
     (dict(softcap=30.0), r"fa1 does not support softcap > 0"),
     (dict(alibi_slopes=torch.ones(4)), r"fa1 does not support alibi_slopes"),
     (dict(dropout_p=0.1), r"fa1 does not support dropout_p > 0"),
-])
-def test_unsupported_features_are_not_implemented(fake_ext, kwargs, pattern):
+]
+
+
+@pytest.mark.parametrize("kwargs,pattern", FA2_FEATURES)
+def test_fa1_refuses_the_fa2_features(fake_ext, kwargs, pattern):
     q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match=pattern):
+    with pytest.raises(NotImplementedError, match=pattern + r"\. backend='fa2' would run it"):
+        flash_attn.flash_attn_func(q, k, v, backend="fa1", **kwargs)
+    # Automatic on sm80: fa2 runs it.
+    flash_attn.flash_attn_func(q, k, v, **kwargs)
+    assert fake_ext.calls[-1][:2] == ("fwd", "fa2")
+
+
+@pytest.mark.parametrize("kwargs,pattern", FA2_FEATURES)
+def test_fa2_features_on_sm75_are_not_implemented(fake_ext, kwargs, pattern):
+    fake_ext.arch = 75
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=pattern) as err:
         flash_attn.flash_attn_func(q, k, v, **kwargs)
-    with pytest.raises(NotImplementedError, match=r"No backend in this version supports"):
-        flash_attn.flash_attn_func(q, k, v, **kwargs)
+    assert "fa2: fa2 needs sm80+, this GPU is sm75" in str(err.value)
+    assert "families with every feature of this call: fa2 (sm80+)" in str(err.value)
+    assert fake_ext.calls == []
 
 
 def test_window_wider_than_the_keys_is_not_local(fake_ext):
@@ -297,6 +313,11 @@ def test_bf16_on_sm75_is_not_implemented(fake_ext):
 
 def test_head_dim_beyond_the_family(fake_ext):
     q, k, v = _qkv(h=2, d=200)
+    with pytest.raises(NotImplementedError, match=r"fa1 supports head dims up to 128, got 200\. backend='fa2' would run it"):
+        flash_attn.flash_attn_func(q, k, v, backend="fa1")
+    flash_attn.flash_attn_func(q, k, v)
+    assert fake_ext.calls[-1][:3] == ("fwd", "fa2", (2, 5, 2, 200))
+    fake_ext.arch = 75
     with pytest.raises(NotImplementedError, match=r"fa1 supports head dims up to 128, got 200"):
         flash_attn.flash_attn_func(q, k, v)
     q, k, v = _qkv(h=2, d=300)

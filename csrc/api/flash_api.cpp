@@ -2,6 +2,7 @@
 // table. The only file that includes torch headers. The Python frontend validates every
 // argument first with messages meant for users; the checks here are a second line of defence
 // for anyone calling flash_attn._C directly.
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -9,16 +10,20 @@
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "common/dropout_mask.h"
 #include "common/params.h"
 #include "fa1/fa1.h"
+#include "fa2/fa2.h"
 
 namespace {
 
@@ -55,6 +60,32 @@ std::string dtype_name(const at::Tensor& t) {
   return std::string(c10::toString(t.scalar_type()));
 }
 
+// The target archs of this build: machine code for each, PTX for the last (build_matrix.py).
+const std::vector<int>& target_archs() {
+  static const std::vector<int> archs = {
+#include "generated/built_archs.inc"
+  };
+  return archs;
+}
+
+// build_matrix.kernel_runs_on: whether a kernel that needs sm<min_arch>+ has code that runs on
+// `arch`. Targets below min_arch do not count (the kernel compiles to an empty body there).
+bool kernel_runs_on(int min_arch, int arch) {
+  int newest = 0;
+  for (int a : target_archs()) {
+    if (a < min_arch) continue;
+    if (a / 10 == arch / 10 && a <= arch) return true;  // machine code of the same major
+    newest = std::max(newest, a);
+  }
+  return newest != 0 && arch >= newest;  // the newest target's PTX
+}
+
+std::string arch_list(const std::vector<int>& archs) {
+  std::string out;
+  for (int a : archs) out += (out.empty() ? "sm" : ", sm") + std::to_string(a);
+  return out;
+}
+
 // The kernel of the smallest instantiated head dim >= head_dim.
 const Kernel& find_kernel(const std::string& family, const std::string& direction,
                           const std::string& dtype, int head_dim, int arch) {
@@ -70,6 +101,9 @@ const Kernel& find_kernel(const std::string& family, const std::string& directio
               " (see flash_attn._C.built_configs())");
   TORCH_CHECK(arch >= best->min_arch, "flash_attn: ", family, " ", dtype, " needs sm",
               best->min_arch, "+, this GPU is sm", arch);
+  TORCH_CHECK(kernel_runs_on(best->min_arch, arch), "flash_attn: this build has no ", family,
+              " code that runs on sm", arch, " (targets: ", arch_list(target_archs()),
+              "); rebuild with FLASH_ATTN_CUDA_ARCHS including ", arch);
   return *best;
 }
 
@@ -116,8 +150,45 @@ DeviceInfo device_info(const at::Tensor& t) {
   return info;
 }
 
+// What a call asks beyond plain attention (flash_attn/_ops.py passes them through).
+struct Features {
+  bool causal = false;
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0.0;
+  const std::optional<at::Tensor>& alibi_slopes;
+  double dropout_p = 0.0;
+};
+
+// A 16-bit Philox draw keeps its element iff it is below this (common/philox.cuh).
+uint32_t keep_threshold(double dropout_p) {
+  return uint32_t(std::clamp(std::round((1.0 - dropout_p) * 65536.0), 1.0, 65536.0));
+}
+
+void check_dropout_p(double dropout_p) {
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "flash_attn: dropout_p must be in [0, 1), got ",
+              dropout_p);
+}
+
+void set_alibi(flash::FwdParams& p, const std::optional<at::Tensor>& alibi_slopes,
+               const at::Tensor& q) {
+  if (!alibi_slopes.has_value() || !alibi_slopes->defined()) return;
+  const at::Tensor& s = *alibi_slopes;
+  TORCH_CHECK(s.is_cuda() && s.device() == q.device(), "flash_attn: alibi_slopes is on ",
+              s.device(), " but q is on ", q.device());
+  TORCH_CHECK(s.scalar_type() == at::kFloat, "flash_attn: alibi_slopes must be float32, got ",
+              s.scalar_type());
+  TORCH_CHECK(s.is_contiguous(), "flash_attn: alibi_slopes must be contiguous");
+  const bool per_head = s.dim() == 1 && s.size(0) == q.size(2);
+  const bool per_batch = s.dim() == 2 && s.size(0) == q.size(0) && s.size(1) == q.size(2);
+  TORCH_CHECK(per_head || per_batch, "flash_attn: alibi_slopes must be (heads,) = (", q.size(2),
+              ",) or (batch, heads) = (", q.size(0), ", ", q.size(2), "), got ", s.sizes());
+  p.alibi_slopes = s.data_ptr<float>();
+  p.alibi_batch_stride = per_batch ? s.stride(0) : 0;
+}
+
 void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal) {
+              const at::Tensor& out, const at::Tensor& lse, double softmax_scale,
+              const Features& f) {
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
@@ -133,9 +204,37 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
   p.head_dim = int(q.size(3));
   p.seqlen_k = int(k.size(1));
   p.heads_k = int(k.size(2));
+
+  // Scores and softcap: the exp2-domain convention of common/params.h.
+  TORCH_CHECK(std::isfinite(f.softcap) && f.softcap >= 0.0,
+              "flash_attn: softcap must be 0 (off) or a finite positive number, got ", f.softcap);
   p.softmax_scale = float(softmax_scale);
-  p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
-  p.causal = causal;
+  p.softcap = float(f.softcap);
+  if (f.softcap > 0.0) {
+    p.softcap_prescale = float(softmax_scale / f.softcap);
+    p.softmax_scale_log2 = float(f.softcap * M_LOG2E);
+  } else {
+    p.softmax_scale_log2 = float(softmax_scale * M_LOG2E);
+  }
+
+  // Window: causal is the window (-1, 0), and a causal call with a left side is local with
+  // right = 0 (flash_attn 2.x's rules); p.causal is set exactly when the window is (-1, 0).
+  TORCH_CHECK(f.window_left >= -1 && f.window_right >= -1 &&
+                  f.window_left <= std::numeric_limits<int>::max() &&
+                  f.window_right <= std::numeric_limits<int>::max(),
+              "flash_attn: window sides must be ints >= -1 (-1: unbounded), got (", f.window_left,
+              ", ", f.window_right, ")");
+  p.window_left = int(f.window_left);
+  p.window_right = f.causal ? 0 : int(f.window_right);
+  p.causal = p.window_left < 0 && p.window_right == 0;
+
+  set_alibi(p, f.alibi_slopes, q);
+
+  check_dropout_p(f.dropout_p);
+  p.dropout_p = float(f.dropout_p);
+  p.rp_keep = float(1.0 / (1.0 - f.dropout_p));
+  p.keep_threshold = keep_threshold(f.dropout_p);
+
   p.num_sms = device_info(q).num_sms;
   p.arch = device_info(q).arch;
   // Tuning knob for benchmarks (README): Q tiles per FA1 forward block, 0 or unset = automatic.
@@ -144,6 +243,49 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
     return env ? std::atoi(env) : 0;
   }();
   p.q_tiles_per_block = q_tiles;
+}
+
+// FA1 knows causal and GQA only; the frontend never sends it more (dispatch picks fa2).
+void check_family_features(const std::string& family, const flash::FwdParams& p) {
+  if (family != "fa1") return;
+  const bool local = p.window_left >= 0 || (p.window_right >= 0 && !p.causal);
+  TORCH_CHECK(!local && p.softcap == 0.f && p.alibi_slopes == nullptr && p.dropout_p == 0.f,
+              "flash_attn: fa1 supports causal and GQA only, not a window, softcap, ALiBi or "
+              "dropout; fa2 runs them");
+}
+
+void check_rng_state(const at::Tensor& rng_state, const at::Tensor& q) {
+  TORCH_CHECK(rng_state.is_cuda(), "flash_attn: rng_state must be a CUDA tensor, got one on ",
+              rng_state.device());
+  TORCH_CHECK(rng_state.device() == q.device(), "flash_attn: rng_state is on ",
+              rng_state.device(), " but q is on ", q.device());
+  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.dim() == 1 &&
+                  rng_state.size(0) == 2 && rng_state.is_contiguous(),
+              "flash_attn: rng_state must be a contiguous int64 tensor of shape (2,) "
+              "([seed, offset]), got ", rng_state.scalar_type(), " ", rng_state.sizes());
+}
+
+// Forward with dropout: a Philox stream from torch's default CUDA generator of q's device, so
+// torch.manual_seed reproduces the mask. The increment of 4 (torch wants a multiple of 4)
+// suffices: every element of a call has its own counter by construction (common/philox.cuh).
+// Under CUDA graph capture torch hands out device pointers that each replay refills, so a
+// replay draws a fresh mask; the kernel resolves them and writes what it used to rng_state.
+void take_philox(flash::FwdParams& p, const at::Tensor& q) {
+  auto* gen = at::check_generator<at::CUDAGeneratorImpl>(
+      at::cuda::detail::getDefaultCUDAGenerator(q.device().index()));
+  at::PhiloxCudaState state;
+  {
+    const std::lock_guard<std::mutex> lock(gen->mutex_);
+    state = gen->philox_cuda_state(4);
+  }
+  if (state.captured_) {
+    p.philox.seed_ptr = state.seed_.ptr;
+    p.philox.offset_ptr = state.offset_.ptr;
+    p.philox.offset_intragraph = state.offset_intragraph_;
+  } else {
+    p.philox.seed = state.seed_.val;
+    p.philox.offset = state.offset_.val;
+  }
 }
 
 // Scratch for one call, from PyTorch's caching allocator (no device synchronisation).
@@ -182,11 +324,14 @@ void check_lse(const at::Tensor& lse, const at::Tensor& q) {
 }
 
 void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-         at::Tensor& lse, double softmax_scale, bool causal, const std::string& family) {
+         at::Tensor& lse, at::Tensor& rng_state, const std::optional<at::Tensor>& alibi_slopes,
+         double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+         double softcap, double dropout_p, const std::string& family) {
   check_shapes(q, k, v);
   check_qkv_like(out, "out", q);
   TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn: out must have q's shape");
   check_lse(lse, q);
+  check_rng_state(rng_state, q);
   if (q.numel() == 0) return;
   if (k.size(1) == 0) {  // no key at all: every row is empty
     out.zero_();
@@ -197,7 +342,11 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   const Kernel& kernel = find_kernel(family, "fwd", dtype_name(q), int(q.size(3)), device_info(q).arch);
 
   flash::FwdParams p;
-  fill_fwd(p, q, k, v, out, lse, softmax_scale, causal);
+  fill_fwd(p, q, k, v, out, lse, softmax_scale,
+           {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
+  check_family_features(family, p);
+  p.rng_state = rng_state.data_ptr<int64_t>();  // the kernel writes [seed, offset] when dropping
+  if (p.dropout_p > 0.f) take_philox(p, q);
   at::Tensor workspace;
   if (family == "fa1") {
     workspace = alloc_workspace(
@@ -207,9 +356,11 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
 }
 
 void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-         const at::Tensor& out, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk,
-         at::Tensor& dv, double softmax_scale, bool causal, bool deterministic,
-         const std::string& family) {
+         const at::Tensor& out, const at::Tensor& lse, const at::Tensor& rng_state,
+         at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+         const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
+         int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+         bool deterministic, const std::string& family) {
   check_shapes(q, k, v);
   check_qkv_like(out, "out", q);
   check_qkv_like(dout, "dout", q);
@@ -221,6 +372,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   TORCH_CHECK(dk.sizes() == k.sizes() && dv.sizes() == k.sizes(),
               "flash_attn: dk and dv must have k's shape");
   check_lse(lse, q);
+  check_rng_state(rng_state, q);
   if (q.size(1) == 0 || k.size(1) == 0 || q.size(0) == 0) {  // nothing attends to anything
     dq.zero_();
     dk.zero_();
@@ -231,7 +383,9 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   const Kernel& kernel = find_kernel(family, "bwd", dtype_name(q), int(q.size(3)), device_info(q).arch);
 
   flash::BwdParams p;
-  fill_fwd(p, q, k, v, out, lse, softmax_scale, causal);
+  fill_fwd(p, q, k, v, out, lse, softmax_scale,
+           {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
+  check_family_features(family, p);
   p.dout = dout.data_ptr();
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
@@ -241,19 +395,49 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   p.dk_strides = strides_of(dk);
   p.dv_strides = strides_of(dv);
   p.deterministic = deterministic;
+  // The mask is regenerated from the [seed, offset] the forward wrote, read on the device (no
+  // synchronisation, and right under CUDA graph replay).
+  int64_t* state = rng_state.data_ptr<int64_t>();
+  p.rng_state = state;
+  if (p.dropout_p > 0.f) {
+    p.philox.seed_ptr = state;
+    p.philox.offset_ptr = state + 1;
+    p.philox.offset_intragraph = 0;
+  }
   at::Tensor workspace;
   if (family == "fa1") {
     workspace = alloc_workspace(
         p, flash::fa1::bwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kernel.hdim), q);
+  } else if (family == "fa2") {
+    workspace = alloc_workspace(p, flash::fa2::bwd_workspace_bytes(p, kernel.hdim), q);
   }
   kernel.bwd(p, c10::cuda::getCurrentCUDAStream().stream());
 }
 
-std::vector<int> built_archs() {
-  return {
-#include "generated/built_archs.inc"
-  };
+// The keep-mask of the forward that wrote rng_state, for return_attn_probs and the tests:
+// (batch, heads, seqlen_q, seqlen_k) bool, True = kept. The same Philox draws as the kernels.
+at::Tensor dropout_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
+                        int64_t seqlen_q, int64_t seqlen_k, double dropout_p) {
+  check_rng_state(rng_state, rng_state);  // (its own device: only the CUDA and layout checks)
+  check_dropout_p(dropout_p);
+  TORCH_CHECK(batch >= 0 && heads >= 0 && seqlen_q >= 0 && seqlen_k >= 0,
+              "flash_attn: dropout_mask sizes must be >= 0, got (", batch, ", ", heads, ", ",
+              seqlen_q, ", ", seqlen_k, ")");
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+  TORCH_CHECK(batch * heads <= kMaxInt && seqlen_q <= kMaxInt && seqlen_k <= kMaxInt,
+              "flash_attn: dropout_mask sizes past 2^31");
+  at::Tensor mask = at::empty({batch, heads, seqlen_q, seqlen_k},
+                              rng_state.options().dtype(at::kBool));
+  if (mask.numel() == 0) return mask;
+  const c10::cuda::CUDAGuard guard(rng_state.device());
+  flash::launch_dropout_mask(mask.data_ptr<bool>(), rng_state.data_ptr<int64_t>(),
+                             int(batch * heads), int(seqlen_q), int(seqlen_k),
+                             keep_threshold(dropout_p),
+                             c10::cuda::getCurrentCUDAStream().stream());
+  return mask;
 }
+
+std::vector<int> built_archs() { return target_archs(); }
 
 std::vector<std::tuple<std::string, std::string, std::string, int, int>> built_configs() {
   std::vector<std::tuple<std::string, std::string, std::string, int, int>> out;
@@ -264,14 +448,22 @@ std::vector<std::tuple<std::string, std::string, std::string, int, int>> built_c
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "flash_attn CUDA kernels (FA1); see ARCHITECTURE.md";
-  m.def("fwd", &fwd, "attention forward: writes out and lse", py::arg("q"), py::arg("k"),
-        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("softmax_scale"),
-        py::arg("causal"), py::arg("family"));
+  m.doc() = "flash_attn CUDA kernels (FA1, FA2); see ARCHITECTURE.md";
+  m.def("fwd", &fwd, "attention forward: writes out, lse (and rng_state with dropout)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+        py::arg("rng_state"), py::arg("alibi_slopes"), py::arg("softmax_scale"),
+        py::arg("causal"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+        py::arg("dropout_p"), py::arg("family"));
   m.def("bwd", &bwd, "attention backward: writes dq, dk, dv", py::arg("dout"), py::arg("q"),
-        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dq"), py::arg("dk"),
-        py::arg("dv"), py::arg("softmax_scale"), py::arg("causal"), py::arg("deterministic"),
-        py::arg("family"));
+        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("rng_state"),
+        py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("alibi_slopes"),
+        py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"),
+        py::arg("window_right"), py::arg("softcap"), py::arg("dropout_p"),
+        py::arg("deterministic"), py::arg("family"));
+  m.def("dropout_mask", &dropout_mask,
+        "(batch, heads, seqlen_q, seqlen_k) bool keep-mask of the forward that wrote rng_state",
+        py::arg("rng_state"), py::arg("batch"), py::arg("heads"), py::arg("seqlen_q"),
+        py::arg("seqlen_k"), py::arg("dropout_p"));
   m.def("built_configs", &built_configs,
         "(family, direction, dtype, hdim, min_arch) of every kernel in this build");
   m.def("built_archs", &built_archs,
