@@ -16,13 +16,22 @@ constexpr int kRowPad = 128;
 
 __host__ __device__ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Backward scratch, laid out by the launcher (fa2_bwd_launch.cuh):
-//   dq_accum: fp32 (batch, heads, round_up(seqlen_q, kRowPad), kernel_hdim), zeroed by the launcher
-//   dsum:     fp32 (batch, heads, round_up(seqlen_q, kRowPad))
+// The backward kernels' query tiles are at least this tall (the deterministic mode keeps one
+// counter per tile of this height, enough for any of them).
+constexpr int kBwdMinBlockM = 64;
+
+// Backward scratch, laid out by the launcher (fa2_bwd_launch.cuh), rows_pad = round_up(seqlen_q,
+// kRowPad):
+//   dq_accum: fp32 (batch, heads, rows_pad, kernel_hdim) in m16n8 fragment order (fa2_bwd_dq.h)
+//   counters: int32 (batch, heads, rows_pad / kBwdMinBlockM), deterministic mode only: whose
+//             turn it is to add into each query tile of dq_accum
+//   dsum:     fp32 (batch, heads, rows_pad), D = rowsum(dO o O)
+// dq_accum and the counters are zeroed by the launcher; dsum is written whole by the preprocess.
 // (The backward's launcher owns this layout; the API layer only sizes the allocation.)
 inline int64_t bwd_workspace_bytes(const BwdParams& p, int kernel_hdim) {
   const int64_t rows = int64_t(p.batch) * p.heads * round_up(p.seqlen_q, kRowPad);
-  return rows * kernel_hdim * 4 + rows * 4;
+  const int64_t counters = p.deterministic ? rows / kBwdMinBlockM : 0;
+  return rows * kernel_hdim * 4 + counters * 4 + rows * 4;
 }
 
 // The forward needs no scratch. Throws std::runtime_error on a launch failure.

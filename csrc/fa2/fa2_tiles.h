@@ -21,6 +21,24 @@ template <> struct FwdTile<128> { static constexpr int kBlockM = 128, kBlockN = 
 template <> struct FwdTile<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8; };  // O registers: 8 warps keep it at 96
 template <> struct FwdTile<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8; };  // smem: Q 64 KB + K 32 KB + V 32 KB
 
+// ---- backward -------------------------------------------------------------------------------
+// A block owns kBlockN keys and walks the query tiles of kBlockM that see them. Per thread, dK
+// and dV cost 2 * kBlockN * hdim / threads fp32 registers for the whole loop; S and dP
+// kBlockM * kBlockN / threads each while P and dS are formed; dQ kBlockM * hdim / threads
+// during its GEMM only. Each GEMM has its own warp grid (the first factor is given, the other
+// is kWarps / first): S, dP (kBlockM x kBlockN) kSdPWarpsM along M; dK, dV (kBlockN x hdim)
+// kdKVWarpsN along N; dQ (kBlockM x hdim) kdQWarpsM along M. Shared memory holds Q (with
+// its rows' lse and D) in two buffers, dO, K, V, P and dS (size on each row); sm80 allows
+// 163 KB, sm90 227 KB.
+template <int kHeadDim> struct BwdTile;
+//                                     kBlockM      kBlockN      kWarps     kSdPWarpsM     kdKVWarpsN     kdQWarpsM      limit
+template <> struct BwdTile<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 4, kdQWarpsM = 4; };  // S + dP registers (128); smem 106 KB
+template <> struct BwdTile<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 4, kdQWarpsM = 4; };  // S + dP 128 + dK, dV 64 registers; smem 146 KB
+template <> struct BwdTile<96>  { static constexpr int kBlockM = 64,  kBlockN = 128, kWarps = 8, kSdPWarpsM = 2, kdKVWarpsN = 4, kdQWarpsM = 4; };  // dK, dV 96 + S + dP 64 registers; smem 117 KB
+template <> struct BwdTile<128> { static constexpr int kBlockM = 64,  kBlockN = 128, kWarps = 8, kSdPWarpsM = 2, kdKVWarpsN = 4, kdQWarpsM = 2; };  // dK, dV 128 + S + dP 64 registers; smem 145 KB
+template <> struct BwdTile<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 2, kdQWarpsM = 2; };  // dK, dV 96 + dQ 48 registers; smem 137 KB
+template <> struct BwdTile<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 2, kdQWarpsM = 2; };  // dK, dV 128 + dQ 64 registers; smem 177 KB (145 KB with one Q buffer: sm80)
+
 // ---- layouts shared by forward and backward -------------------------------------------------
 
 template <typename Element, int kHeadDim>

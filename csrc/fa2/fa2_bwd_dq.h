@@ -1,0 +1,128 @@
+// The dQ accumulator of the backward: every key tile adds dS K into dQ_i (FA2 Algorithm 2,
+// line 15), so dQ lives in fp32 scratch until a last kernel scales and converts it.
+//
+// Layout: per (batch, head), in m16n8 fragment order: (rows / 16, hdim / 8, 32 lanes, 4) fp32,
+// the 4 values of a lane being rows (g, g + 8) x cols (2t, 2t + 1) of the tile, g = lane / 4,
+// t = lane % 4. A lane's fragment is then 16 contiguous bytes: one red.global.add.v4.f32 on
+// sm90 (four scalar reds on sm80), instead of one per element in a row-major buffer.
+//
+// Deterministic mode: the adds into one query tile happen in key-tile order. A counter per
+// (batch, head, query tile) says how many key tiles have added; the block of key tile n waits
+// for its turn (the number of earlier key tiles walking that query tile), adds, and passes
+// the turn on. The wait never deadlocks because the turn always goes to an earlier block of the
+// grid (blockIdx.x is the key tile), and blocks start in grid order.
+#pragma once
+
+#include <cstdint>
+
+#include "common/params.h"
+#include "fa2/fa2.h"
+#include "fa2/fa2_utils.h"
+
+namespace flash::fa2 {
+
+// Index of a lane's 4 floats within one head's accumulator.
+template <int kHeadDim>
+__host__ __device__ __forceinline__ int64_t dq_frag_offset(int row, int col, int lane) {
+  return ((int64_t(row / 16) * (kHeadDim / 8) + col / 8) * 32 + lane) * 4;
+}
+
+// acc: an m16n8 accumulator fragment ((2,2), MMA_M, MMA_N) of a (rows, hdim) tile starting at
+// row0; coord: the same partition of an identity tensor. Columns past head_dim (zero padding)
+// are skipped.
+template <int kHeadDim, class Acc, class Coord>
+__device__ __forceinline__ void dq_atomic_add(float* dq_head, Acc const& acc, Coord const& coord,
+                                              int row0, int head_dim) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int m = 0; m < size<1>(acc); ++m) {
+#pragma unroll
+    for (int n = 0; n < size<2>(acc); ++n) {
+      const int row = row0 + get<0>(coord(0, m, n)), col = get<1>(coord(0, m, n));
+      if (col >= head_dim) continue;
+      float* dst = dq_head + dq_frag_offset<kHeadDim>(row, col, lane);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      atomicAdd(reinterpret_cast<float4*>(dst),
+                make_float4(acc(0, m, n), acc(1, m, n), acc(2, m, n), acc(3, m, n)));
+#else
+#pragma unroll
+      for (int v = 0; v < 4; ++v) atomicAdd(dst + v, acc(v, m, n));
+#endif
+    }
+  }
+}
+
+// Turn-taking on one counter of the deterministic mode. All threads of the block call both.
+struct DqTurn {
+  __device__ static void wait(const int* counter, int turn) {
+    if (threadIdx.x == 0) {
+      int seen;
+      while (true) {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+        if (seen == turn) break;
+        __nanosleep(64);
+      }
+    }
+    __syncthreads();
+  }
+  // After the block's adds: the barrier orders every thread's reds before thread 0's release.
+  __device__ static void pass(int* counter) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+    }
+  }
+};
+
+// dQ = softmax_scale * accumulator, in the output dtype and dq_strides. A block converts
+// kRows rows of one head: the fragment-ordered floats are read contiguously, transposed
+// through shared memory and written as 16-byte row vectors.
+constexpr int kDqConvertThreads = 256;
+constexpr int kDqConvertRows = 64;
+static_assert(kRowPad % kDqConvertRows == 0);
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kDqConvertThreads) bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int kPitch = kHeadDim + 8;  // 16 bytes of padding: rows start on different banks
+  __shared__ __align__(16) T tile[kDqConvertRows * kPitch];
+  constexpr int kFloat4s = kDqConvertRows * kHeadDim / 4;
+  constexpr int kVectors = kDqConvertRows * kHeadDim / 8;
+  constexpr int kFragsPerRowGroup = kHeadDim / 8 * 32;
+  const int64_t rows_pad = round_up(p.seqlen_q, kRowPad);
+  const int row0 = blockIdx.x * kDqConvertRows;
+  const int64_t batch_heads = int64_t(p.batch) * p.heads;
+  for (int64_t bh = blockIdx.y; bh < batch_heads; bh += gridDim.y) {
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + (bh * rows_pad + row0) * kHeadDim);
+    for (int i = threadIdx.x; i < kFloat4s; i += kDqConvertThreads) {
+      const float4 v = src[i];
+      const int group = i / kFragsPerRowGroup, frag = i % kFragsPerRowGroup;
+      const int lane = frag % 32;
+      const int r = group * 16 + lane / 4, c = frag / 32 * 8 + 2 * (lane % 4);
+      const float s = p.softmax_scale;
+      if constexpr (std::is_same_v<T, __half>) {
+        *reinterpret_cast<__half2*>(&tile[r * kPitch + c]) = __floats2half2_rn(v.x * s, v.y * s);
+        *reinterpret_cast<__half2*>(&tile[(r + 8) * kPitch + c]) = __floats2half2_rn(v.z * s, v.w * s);
+      } else {
+        *reinterpret_cast<__nv_bfloat162*>(&tile[r * kPitch + c]) = __floats2bfloat162_rn(v.x * s, v.y * s);
+        *reinterpret_cast<__nv_bfloat162*>(&tile[(r + 8) * kPitch + c]) = __floats2bfloat162_rn(v.z * s, v.w * s);
+      }
+    }
+    __syncthreads();
+    const int b = int(bh / p.heads), h = int(bh % p.heads);
+    T* dq_head = static_cast<T*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head;
+    for (int i = threadIdx.x; i < kVectors; i += kDqConvertThreads) {
+      const int r = i / (kHeadDim / 8), c = i % (kHeadDim / 8) * 8;
+      const int row = row0 + r;
+      if (row < p.seqlen_q && c < p.head_dim) {
+        *reinterpret_cast<uint4*>(dq_head + row * p.dq_strides.row + c) =
+            *reinterpret_cast<const uint4*>(&tile[r * kPitch + c]);
+      }
+    }
+    __syncthreads();  // the next head's values overwrite the tile
+  }
+#endif
+}
+
+}  // namespace flash::fa2

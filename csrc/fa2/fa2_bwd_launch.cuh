@@ -1,0 +1,96 @@
+// FA2 backward launcher: the workspace layout, D = rowsum(dO o O), the main kernel (its Q
+// buffering chosen by the device's shared memory, dropout as a template flag), and the dQ
+// conversion. Included by the generated instantiation files only.
+#pragma once
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "common/check.h"
+#include "fa2/fa2.h"
+#include "fa2/fa2_bwd_dq.h"
+#include "fa2/fa2_bwd_kernel.cuh"
+#include "fa2/fa2_bwd_preprocess.cuh"
+
+namespace flash::fa2 {
+
+// The most dynamic shared memory an sm80 block may opt into (A100). A tile whose two Q buffers
+// need more also gets a one-buffer variant, for sm80.
+constexpr int kSm80SmemBytes = 163 * 1024;
+
+template <class Tr>
+void launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
+  const int n_blocks = int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN);
+  const int64_t batch_heads_k = int64_t(p.batch) * p.heads_k;
+  const dim3 grid(n_blocks, unsigned(std::min<int64_t>(batch_heads_k, 65535)));
+  auto kernel = bwd_kernel<Tr>;
+  FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Tr::kSmemBytes));
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+  FLASH_CHECK_LAUNCH();
+}
+
+// Dropout is a template flag: its Philox state and draws cost registers the plain kernel should
+// not carry. Everything else (mask, window, softcap, ALiBi, GQA, determinism) is a runtime field.
+template <typename T, int kHeadDim, int kQStages>
+void launch_bwd_variant(const BwdParams& p, cudaStream_t stream) {
+  if (p.dropout_p > 0.f) {
+    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, true>>(p, stream);
+  } else {
+    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, false>>(p, stream);
+  }
+}
+
+template <typename T, int kHeadDim>
+void run_bwd(const BwdParams& params, cudaStream_t stream) {
+  BwdParams p = params;
+  if (p.workspace == nullptr || p.workspace_bytes < bwd_workspace_bytes(p, kHeadDim)) {
+    throw std::runtime_error("flash_attn fa2: backward workspace missing or too small");
+  }
+  // Workspace: dq_accum | counters (deterministic) | dsum, as bwd_workspace_bytes sizes it.
+  const int64_t rows_pad = round_up(p.seqlen_q, kRowPad);
+  const int64_t batch_heads = int64_t(p.batch) * p.heads;
+  const int64_t rows = batch_heads * rows_pad;
+  const int64_t counters = p.deterministic ? rows / kBwdMinBlockM : 0;
+  p.dq_accum = static_cast<float*>(p.workspace);
+  p.dsum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + rows * kHeadDim * 4 +
+                                    counters * 4);
+  FLASH_CHECK_CUDA(cudaMemsetAsync(p.dq_accum, 0, (rows * kHeadDim + counters) * 4, stream));
+
+  const int64_t dot_blocks = (rows + DotTile<kHeadDim>::kRowsPerStep - 1) / DotTile<kHeadDim>::kRowsPerStep;
+  const int64_t max_blocks = int64_t(std::max(p.num_sms, 1)) * 16;
+  bwd_dot_do_o_kernel<T, kHeadDim>
+      <<<unsigned(std::min(dot_blocks, max_blocks)), kDotThreads, 0, stream>>>(p);
+  FLASH_CHECK_LAUNCH();
+
+  int device = 0, max_smem = 0;
+  FLASH_CHECK_CUDA(cudaGetDevice(&device));
+  FLASH_CHECK_CUDA(
+      cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  constexpr int kSmemTwo = BwdTraits<T, kHeadDim, 2, false>::kSmemBytes;
+  constexpr int kSmemOne = BwdTraits<T, kHeadDim, 1, false>::kSmemBytes;
+  if (kSmemTwo <= max_smem) {
+    launch_bwd_variant<T, kHeadDim, 2>(p, stream);
+  } else if constexpr (kSmemTwo > kSm80SmemBytes) {
+    if (kSmemOne > max_smem) {
+      throw std::runtime_error("flash_attn fa2: the backward for head dim " +
+                               std::to_string(kHeadDim) + " needs " + std::to_string(kSmemOne) +
+                               " bytes of shared memory per block; this GPU allows " +
+                               std::to_string(max_smem));
+    }
+    launch_bwd_variant<T, kHeadDim, 1>(p, stream);
+  } else {
+    throw std::runtime_error("flash_attn fa2: the backward for head dim " +
+                             std::to_string(kHeadDim) + " needs " + std::to_string(kSmemTwo) +
+                             " bytes of shared memory per block; this GPU allows " +
+                             std::to_string(max_smem));
+  }
+
+  const dim3 convert_grid(unsigned(rows_pad / kDqConvertRows),
+                          unsigned(std::min<int64_t>(batch_heads, 65535)));
+  bwd_convert_dq_kernel<T, kHeadDim><<<convert_grid, kDqConvertThreads, 0, stream>>>(p);
+  FLASH_CHECK_LAUNCH();
+}
+
+}  // namespace flash::fa2

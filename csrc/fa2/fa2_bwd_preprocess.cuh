@@ -1,0 +1,78 @@
+// Backward preprocess (FA2 Algorithm 2, line 4): D = rowsum(dO o O) in fp32, one value per
+// (batch, head, query row), into dsum laid out (batch, heads, round_up(seqlen_q, kRowPad)).
+// The padding rows get 0, so the main kernel may read a whole query tile unguarded.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/params.h"
+#include "fa2/fa2.h"
+
+namespace flash::fa2 {
+
+constexpr int kDotThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ float2 to_float2(uint32_t packed) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+  } else {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+  }
+}
+
+// kLanes lanes per row (the power of two covering hdim / 8), 8 columns each, one 16-byte load
+// of dO and of O per lane. kRowsPerStep divides kRowPad, so a block's rows are all in range or
+// all out, and every warp shuffles whole.
+template <int kHeadDim>
+struct DotTile {
+  static constexpr int kVectors = kHeadDim / 8;
+  static_assert(kVectors <= 32);
+  static constexpr int kLanes = kVectors <= 4 ? 4 : kVectors <= 8 ? 8 : kVectors <= 16 ? 16 : 32;
+  static constexpr int kRowsPerStep = kDotThreads / kLanes;
+  static_assert(kRowPad % kRowsPerStep == 0);
+};
+
+// A grid-stride loop over all padded rows of all heads.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kDotThreads) bwd_dot_do_o_kernel(const __grid_constant__ BwdParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int kLanes = DotTile<kHeadDim>::kLanes;
+  constexpr int kRowsPerStep = DotTile<kHeadDim>::kRowsPerStep;
+  const int64_t rows_pad = round_up(p.seqlen_q, kRowPad);
+  const int64_t total_rows = int64_t(p.batch) * p.heads * rows_pad;
+  const int lane = threadIdx.x % kLanes;
+  for (int64_t row = int64_t(blockIdx.x) * kRowsPerStep + threadIdx.x / kLanes; row < total_rows;
+       row += int64_t(gridDim.x) * kRowsPerStep) {
+    const int64_t bh = row / rows_pad;
+    const int r = int(row % rows_pad);
+    const int b = int(bh / p.heads), h = int(bh % p.heads);
+    const int c = lane * 8;
+    float acc = 0.f;
+    if (r < p.seqlen_q && c < p.head_dim) {
+      const uint4 dov = *reinterpret_cast<const uint4*>(
+          static_cast<const T*>(p.dout) + b * p.do_strides.batch + r * p.do_strides.row +
+          h * p.do_strides.head + c);
+      const uint4 ov = *reinterpret_cast<const uint4*>(
+          static_cast<const T*>(p.o) + b * p.o_strides.batch + r * p.o_strides.row +
+          h * p.o_strides.head + c);
+      const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 x = to_float2<T>(dw[w]), y = to_float2<T>(ow[w]);
+        acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+      }
+    }
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+      acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    }
+    if (lane == 0) p.dsum[row] = acc;
+  }
+#endif
+}
+
+}  // namespace flash::fa2
