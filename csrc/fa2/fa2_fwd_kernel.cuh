@@ -2,12 +2,16 @@
 // batch, head). The block keeps its O tile in registers across the whole key loop; each warp
 // owns 16-row slices of the query tile, so the softmax statistics never cross warps.
 //
-// Per key tile n (walked from the last to the first, so the tiles that need a mask come first):
-//   wait K[n]; start loading V[n]      | S = Q K[n]^T          (tensor cores)
-//   score mod (softcap, ALiBi), mask    | m, l, O rescale, P = exp2(S - m)
-//   wait V[n]; start loading K[n-1]     | O += P V[n]           (tensor cores)
-// and once at the end O /= l, lse = m + log l. K and V have one shared-memory buffer each, and
-// each load overlaps the GEMM on the other: a two-stage pipeline over the K, V, K, V... stream.
+// Per key tile n (walked from the last to the first, so the tiles that need a mask come first),
+// with two K/V stages (FwdTile::kStages, head dims <= 128):
+//   wait K[n], V[n]; start loading K[n-1], V[n-1] into the other stage
+//   S = Q K[n]^T                                        (tensor cores)
+//   score mod (softcap, ALiBi), mask; m, l, O rescale, P = exp2(S - m)
+//   O += P V[n]                                         (tensor cores)
+// so each load has a whole step to land and a step has one barrier. With one stage (larger
+// head dims, where two do not fit in shared memory) K and V alternate in their single buffers:
+// V[n] loads under S = Q K[n]^T, K[n-1] under O += P V[n]. Once at the end: O /= l,
+// lse = m + log l.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +34,7 @@ struct FwdTraits {
   static constexpr int kBlockM = FwdTile<kHeadDim>::kBlockM;
   static constexpr int kBlockN = FwdTile<kHeadDim>::kBlockN;
   static constexpr int kWarps = FwdTile<kHeadDim>::kWarps;
+  static constexpr int kStages = FwdTile<kHeadDim>::kStages;
   static constexpr int kThreads = kWarps * 32;
 
   using L = Layouts<Element, kHeadDim>;
@@ -42,7 +47,7 @@ struct FwdTraits {
   using GmemStore = typename L::template GmemStore<kThreads>;
 
   static constexpr int kSmemBytes =
-      int(sizeof(Element)) * (cosize_v<SmemQ> + 2 * cosize_v<SmemKV>);
+      int(sizeof(Element)) * (cosize_v<SmemQ> + 2 * kStages * cosize_v<SmemKV>);
   static constexpr int kRowsPerThread = 2 * kBlockM / (16 * kWarps);  // rowcol rows per thread
 };
 
@@ -102,10 +107,13 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (BN, hdim, n)
   float* lse_row = p.lse + (int64_t(batch) * p.heads + head) * p.seqlen_q;
 
-  // ---- shared memory: Q (later O), K, V ------------------------------------------------------
+  // ---- shared memory: Q (later O), kStages K buffers, kStages V buffers ----------------------
+  // The tensors below view stage 0; stage s is the same view kKV elements further on (a
+  // multiple of the swizzle period, so the swizzle pattern is unchanged).
+  constexpr int kKV = cosize_v<typename Tr::SmemKV>;
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Tr::SmemQ{});
   Tensor sK = make_tensor(sQ.data() + size(sQ), typename Tr::SmemKV{});
-  Tensor sV = make_tensor(sK.data() + size(sK), typename Tr::SmemKV{});
+  Tensor sV = make_tensor(sK.data() + Tr::kStages * kKV, typename Tr::SmemKV{});
   Tensor sVt = make_tensor(sV.data(), typename Tr::SmemVt{});                    // (hdim, BN)
   Tensor sVtNoSwizzle = make_tensor(sV.data(), typename Tr::SmemVtNoSwizzle{});  // (hdim, BN)
 
@@ -121,7 +129,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
-  auto load_kv = [&](auto& tG, auto& tS, int n) {
+  auto load_kv = [&](auto& tG, auto& tS, int n) __attribute__((always_inline)) {
     const int valid = p.seqlen_k - n * kBlockN;
     if (valid < kBlockN) {
       copy_tile<true>(gmem_load, tG(_, _, _, n), tS, tKcK, valid, p.head_dim);
@@ -164,24 +172,45 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
     load_kv(tKgK, tKsK, tiles.end - 1);
     cp_async_fence();
 
+    if constexpr (Tr::kStages == 2) {
+      load_kv(tVgV, tVsV, tiles.end - 1);
+      cp_async_fence();
+    }
+    // Stage s of a partitioned shared-memory view.
+    auto stage = [](auto const& t, int s) { return make_tensor(t.data() + s * kKV, t.layout()); };
+
     auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
       Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
       clear(acc_s);
+      const int cur = Tr::kStages == 2 ? n & 1 : 0;
       cp_async_wait<0>();
-      __syncthreads();  // K[n] landed; every warp is done with V[n+1]
-      load_kv(tVgV, tVsV, n);
-      cp_async_fence();
+      if constexpr (Tr::kStages == 2) {
+        __syncthreads();  // K[n], V[n] landed; every warp is done with step n+1's buffers
+        if (n > tiles.begin) {
+          Tensor tKsK_next = stage(tKsK, cur ^ 1);
+          Tensor tVsV_next = stage(tVsV, cur ^ 1);
+          load_kv(tKgK, tKsK_next, n - 1);
+          load_kv(tVgV, tVsV_next, n - 1);
+          cp_async_fence();
+        }
+      } else {
+        __syncthreads();  // K[n] landed; every warp is done with V[n+1]
+        load_kv(tVgV, tVsV, n);
+        cp_async_fence();
+      }
 
-      gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma, ldsm_q, ldsm_k);
+      gemm_ss(acc_s, tSrQ, tSrK, tSsQ, stage(tSsK, cur), mma, ldsm_q, ldsm_k);
       Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
       if (modded) score_mod.apply(s_rc, tScS_rc, row0, n * kBlockN);
       if constexpr (decltype(masked)::value) mask.apply(s_rc, tScS_rc, row0, n * kBlockN);
 
-      cp_async_wait<0>();
-      __syncthreads();  // V[n] landed; every warp is done with K[n]
-      if (n > tiles.begin) {
-        load_kv(tKgK, tKsK, n - 1);
-        cp_async_fence();
+      if constexpr (Tr::kStages == 1) {
+        cp_async_wait<0>();
+        __syncthreads();  // V[n] landed; every warp is done with K[n]
+        if (n > tiles.begin) {
+          load_kv(tKgK, tKsK, n - 1);
+          cp_async_fence();
+        }
       }
 
       softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, p.softmax_scale_log2);
@@ -190,7 +219,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
       }
       Tensor rP = convert_fragment<Element>(acc_s);
       Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-      gemm_rs(acc_o, tOrP, tOrVt, tOsVt, mma, ldsm_vt);
+      gemm_rs(acc_o, tOrP, tOrVt, stage(tOsVt, cur), mma, ldsm_vt);
     };
 
     // Tiles from the top: masked ones above the diagonal band, unmasked, masked ones below.
@@ -219,8 +248,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   auto smem_store_thr = smem_store.get_thread_slice(tid);
   Tensor taccOrO = smem_store_thr.retile_S(rO);
   Tensor taccOsO = smem_store_thr.partition_D(sO);
-  // The last GEMMs read sV and sK only (sQ's last reader finished before the final
-  // __syncthreads of the loop), so O may overwrite Q right away.
+  __syncthreads();  // every warp is done reading Q from shared memory before O replaces it
   copy(smem_store, taccOrO, taccOsO);
 
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));

@@ -12,14 +12,17 @@ namespace flash::fa2 {
 // A block owns kBlockM query rows (16 per warp per MMA row-repeat) and walks key tiles of
 // kBlockN. Per thread, O costs kBlockM * hdim / threads fp32 registers and S
 // kBlockM * kBlockN / threads.
+// kStages: K/V shared-memory buffers. 2: the loads of tile n-1 are issued as tile n starts and
+// have a whole step to land; 1: K and V alternate (each load overlaps one GEMM). Two stages are
+// used wherever they fit the 99 KB a block gets on sm86/sm89.
 template <int kHeadDim> struct FwdTile;
-//                                     kBlockM      kBlockN      kWarps     limit
-template <> struct FwdTile<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4; };  // S registers (128)
-template <> struct FwdTile<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4; };  // O 64 + S 128 registers
-template <> struct FwdTile<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 4; };  // O 96 + S 64 registers
-template <> struct FwdTile<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 4; };  // O 128 + S 64 registers
-template <> struct FwdTile<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8; };  // O registers: 8 warps keep it at 96
-template <> struct FwdTile<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8; };  // smem: Q 64 KB + K 32 KB + V 32 KB
+//                                     kBlockM      kBlockN      kWarps     kStages   limit
+template <> struct FwdTile<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4, kStages = 2; };  // S registers (128)
+template <> struct FwdTile<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4, kStages = 2; };  // O 64 + S 128 registers; smem 80 KB
+template <> struct FwdTile<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 4, kStages = 2; };  // O 96 + S 64 registers
+template <> struct FwdTile<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 4, kStages = 2; };  // O 128 + S 64 registers; smem 96 KB
+template <> struct FwdTile<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8, kStages = 1; };  // O registers: 8 warps keep it at 96; smem 96 KB
+template <> struct FwdTile<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8, kStages = 1; };  // smem: Q 64 KB + K 32 KB + V 32 KB
 
 // ---- backward -------------------------------------------------------------------------------
 // A block owns kBlockN keys and walks the query tiles of kBlockM that see them. Per thread, dK
