@@ -167,17 +167,18 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   if constexpr (Tr::kDropout) philox = philox_key(p.philox);
 
   if (!tiles.empty()) {
-    // Prologue: Q and the first K tile in flight.
-    copy_tile<true>(gmem_load, tQgQ, tQsQ, tQcQ, p.seqlen_q - row0, p.head_dim);
-    load_kv(tKgK, tKsK, tiles.end - 1);
-    cp_async_fence();
-
-    if constexpr (Tr::kStages == 2) {
-      load_kv(tVgV, tVsV, tiles.end - 1);
-      cp_async_fence();
-    }
     // Stage s of a partitioned shared-memory view.
     auto stage = [](auto const& t, int s) { return make_tensor(t.data() + s * kKV, t.layout()); };
+    // Prologue: Q and the first K tile (two stages: and V) in flight, in tile end-1's stage.
+    copy_tile<true>(gmem_load, tQgQ, tQsQ, tQcQ, p.seqlen_q - row0, p.head_dim);
+    const int first_stage = Tr::kStages == 2 ? (tiles.end - 1) & 1 : 0;
+    Tensor tKsK_first = stage(tKsK, first_stage);
+    load_kv(tKgK, tKsK_first, tiles.end - 1);
+    if constexpr (Tr::kStages == 2) {
+      Tensor tVsV_first = stage(tVsV, first_stage);
+      load_kv(tVgV, tVsV_first, tiles.end - 1);
+    }
+    cp_async_fence();
 
     auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
       Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)

@@ -1,5 +1,6 @@
 // Online softmax state of the rows a thread holds (FA2, Algorithm 1 lines 8-10 and 12):
-//   begin/rescale: m_new = max(m, rowmax(S)); O *= exp2(m - m_new); l *= exp2(m - m_new)
+//   rescale:       m_new = max(m, rowmax(S)); O *= exp2(m - m_new); l *= exp2(m - m_new)
+//                  (lazily: only when some row's max grew by more than 2^8, see update)
 //   exponentiate:  P = exp2(S * scale_log2 - m_new * scale_log2); l += rowsum(P)
 //   finalize:      O /= l (times 1/keep for dropout); lse = (m * scale_log2 + log2(l)) * ln(2)
 // Scores stay in score units (see fa2_score_mod.h); scale_log2 folds the softmax scale and
@@ -15,6 +16,7 @@ namespace flash::fa2 {
 
 template <int kRows>
 struct Softmax {
+  static constexpr float kRescaleLog2 = 8.f;  // see update()
   float row_max[kRows];
   float row_sum[kRows];
 
@@ -23,21 +25,39 @@ struct Softmax {
   template <bool kFirst, class S, class O>
   __device__ __forceinline__ void update(S& s, O& o, float scale_log2) {
     static_assert(decltype(size<0>(s))::value == kRows);
+    float tile_max[kRows];
+    bool grow = kFirst;
 #pragma unroll
     for (int mi = 0; mi < kRows; ++mi) {
       float m = kFirst ? -INFINITY : row_max[mi];
 #pragma unroll
       for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
-      m = quad_allreduce_max(m);
-      const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
-      if (!kFirst) {
-        const float prev_scaled = row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2;
-        const float correction = exp2_approx(prev_scaled - m_scaled);
-        row_sum[mi] *= correction;
+      tile_max[mi] = quad_allreduce_max(m);
+      // Lazy rescaling: while no row of the warp has its max grow by more than
+      // kRescaleLog2 (in log2 units), keep exponentiating against the old max. P then stays
+      // <= 2^kRescaleLog2, harmless in fp32 and in the 16-bit P, and the O rescale (one
+      // multiply per O element per tile, the bulk of the softmax's ALU work at large head
+      // dims) is skipped once the max has settled, which is most tiles. lse uses the same max
+      // as l, so the result is exact.
+      if (!kFirst) grow |= (tile_max[mi] - row_max[mi]) * scale_log2 > kRescaleLog2;
+    }
+    if (kFirst || __any_sync(0xffffffffu, grow)) {
 #pragma unroll
-        for (int di = 0; di < size<1>(o); ++di) o(mi, di) *= correction;
+      for (int mi = 0; mi < kRows; ++mi) {
+        if (!kFirst) {
+          const float prev = row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2;
+          const float next = tile_max[mi] == -INFINITY ? 0.f : tile_max[mi] * scale_log2;
+          const float correction = exp2_approx(prev - next);
+          row_sum[mi] *= correction;
+#pragma unroll
+          for (int di = 0; di < size<1>(o); ++di) o(mi, di) *= correction;
+        }
+        row_max[mi] = tile_max[mi];
       }
-      row_max[mi] = m;
+    }
+#pragma unroll
+    for (int mi = 0; mi < kRows; ++mi) {
+      const float m_scaled = row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2;
       float sum = 0.f;
 #pragma unroll
       for (int ni = 0; ni < size<1>(s); ++ni) {
