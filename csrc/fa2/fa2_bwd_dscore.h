@@ -82,34 +82,63 @@ struct DScore {
   __device__ __forceinline__ void apply(Frag& s, Frag& dp, Coord const& coord,
                                         const uint32_t (&keep)[kWords], const float* s_lse,
                                         const float* s_dsum, int row0, int col0) const {
-    constexpr int kN = decltype(size<2>(s))::value;
+    // The softcap / ALiBi switches are uniform: branch once, not per element.
+    if (mod.softcap() || mod.alibi()) {
+      apply_impl<kMasked, true>(s, dp, coord, keep, s_lse, s_dsum, row0, col0);
+    } else {
+      apply_impl<kMasked, false>(s, dp, coord, keep, s_lse, s_dsum, row0, col0);
+    }
+  }
+
+  template <bool kMasked, bool kModded, class Frag, class Coord, int kWords>
+  __device__ __forceinline__ void apply_impl(Frag& s, Frag& dp, Coord const& coord,
+                                             const uint32_t (&keep)[kWords], const float* s_lse,
+                                             const float* s_dsum, int row0, int col0) const {
+    constexpr int kM = decltype(size<1>(s))::value, kN = decltype(size<2>(s))::value;
     const int shift = mask.seqlen_k - mask.seqlen_q;
     const int diff_lo = mask.left < 0 ? INT_MIN : shift - mask.left;
     const int diff_hi = mask.right < 0 ? INT_MAX : shift + mask.right;
     const bool softcap = mod.softcap(), alibi = mod.alibi();
+    // A lane holds two rows per MMA row-repeat m (v = 0, 1 and v = 2, 3): read their lse and D
+    // from shared memory once per tile, not once per element.
+    float lse2[kM][2], dsum[kM][2];
 #pragma unroll
-    for (int m = 0; m < size<1>(s); ++m) {
+    for (int m = 0; m < kM; ++m) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int local_row = get<0>(coord(2 * h, m, 0));
+        // lse = +inf past seqlen_q: P = 0 whatever the padding holds.
+        lse2[m][h] = row0 + local_row < mask.seqlen_q ? s_lse[local_row] * float(M_LOG2E)
+                                                      : INFINITY;
+        dsum[m][h] = s_dsum[local_row];
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
 #pragma unroll
       for (int n = 0; n < kN; ++n) {
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
-          const int local_row = get<0>(coord(v, m, n));
-          const int row = row0 + local_row;
-          const int col = col0 + get<1>(coord(v, m, n));
-          // lse = +inf past seqlen_q: P = 0 whatever the padding holds.
-          const float lse2 = row < mask.seqlen_q ? s_lse[local_row] * float(M_LOG2E) : INFINITY;
           float x = s(v, m, n);
           float dtanh = 1.f;
-          if (softcap) {
-            x = tanhf(x * mod.softcap_prescale);  // the forward's exact function
-            dtanh = 1.f - x * x;
+          if constexpr (kModded) {
+            if (softcap) {
+              x = tanhf(x * mod.softcap_prescale);  // the forward's exact function
+              dtanh = 1.f - x * x;
+            }
           }
-          if (alibi) x -= mod.alibi_slope * fabsf(float(row + mod.shift - col));
-          if constexpr (kMasked) {
-            const int diff = col - row;  // visible: diff_lo <= diff <= diff_hi, col < seqlen_k
-            if (diff < diff_lo || diff > diff_hi || col >= mask.seqlen_k) x = -INFINITY;
+          if constexpr (kModded || kMasked) {
+            const int row = row0 + get<0>(coord(v, m, n));
+            const int col = col0 + get<1>(coord(v, m, n));
+            if constexpr (kModded) {
+              if (alibi) x -= mod.alibi_slope * fabsf(float(row + mod.shift - col));
+            }
+            if constexpr (kMasked) {
+              const int diff = col - row;  // visible: diff_lo <= diff <= diff_hi, col < seqlen_k
+              if (diff < diff_lo || diff > diff_hi || col >= mask.seqlen_k) x = -INFINITY;
+            }
           }
-          const float prob = exp2_approx(fmaf(x, scale_log2, -lse2));
+          const float prob = exp2_approx(fmaf(x, scale_log2, -lse2[m][v >> 1]));
           float dprob = dp(v, m, n);
           float z = prob;
           if constexpr (kDropout) {
@@ -119,7 +148,7 @@ struct DScore {
             z *= k;
           }
           s(v, m, n) = z;
-          dp(v, m, n) = prob * (dprob - s_dsum[local_row]) * dtanh;
+          dp(v, m, n) = prob * (dprob - dsum[m][v >> 1]) * dtanh;
         }
       }
     }
