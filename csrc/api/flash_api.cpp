@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <mutex>
@@ -26,6 +27,23 @@
 #include "fa2/fa2.h"
 
 namespace {
+
+// Numbers in error messages are formatted here, not by std::ostream: with the extension built by
+// a newer g++ than torch, libstdc++'s numeric ostream insertion inside TORCH_CHECK crashed the
+// process (seen on the GPU machine, a segfault in num_put). std::to_string / snprintf do not
+// touch the locale machinery.
+std::string num(int x) { return std::to_string(x); }
+std::string num(int64_t x) { return std::to_string(x); }
+std::string num(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", x);
+  return buf;
+}
+std::string shape(at::IntArrayRef sizes) {
+  std::string out = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + ")";
+}
 
 using FwdFn = void (*)(const flash::FwdParams&, cudaStream_t);
 using BwdFn = void (*)(const flash::BwdParams&, cudaStream_t);
@@ -97,24 +115,24 @@ const Kernel& find_kernel(const std::string& family, const std::string& directio
     }
   }
   TORCH_CHECK(best != nullptr, "flash_attn: this build has no ", family, " ", direction,
-              " kernel for dtype ", dtype, " and head dim ", head_dim,
+              " kernel for dtype ", dtype, " and head dim ", num(head_dim),
               " (see flash_attn._C.built_configs())");
   TORCH_CHECK(arch >= best->min_arch, "flash_attn: ", family, " ", dtype, " needs sm",
-              best->min_arch, "+, this GPU is sm", arch);
+              num(best->min_arch), "+, this GPU is sm", num(arch));
   TORCH_CHECK(kernel_runs_on(best->min_arch, arch), "flash_attn: this build has no ", family,
-              " code that runs on sm", arch, " (targets: ", arch_list(target_archs()),
-              "); rebuild with FLASH_ATTN_CUDA_ARCHS including ", arch);
+              " code that runs on sm", num(arch), " (targets: ", arch_list(target_archs()),
+              "); rebuild with FLASH_ATTN_CUDA_ARCHS including ", num(arch));
   return *best;
 }
 
 void check_qkv_like(const at::Tensor& t, const char* name, const at::Tensor& q) {
   TORCH_CHECK(t.is_cuda(), "flash_attn: ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.dim() == 4, "flash_attn: ", name, " must be (batch, seqlen, heads, headdim), got ",
-              t.sizes());
+              shape(t.sizes()));
   TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flash_attn: ", name, " has dtype ",
               t.scalar_type(), " but q has ", q.scalar_type());
-  TORCH_CHECK(t.device() == q.device(), "flash_attn: ", name, " is on ", t.device(),
-              " but q is on ", q.device());
+  TORCH_CHECK(t.device() == q.device(), "flash_attn: ", name, " is on ", t.device().str(),
+              " but q is on ", q.device().str());
   TORCH_CHECK(t.stride(-1) == 1, "flash_attn: ", name, " must be contiguous in its last dim");
   // 16-byte vector loads: the base and every stride that is used must be multiples of 8
   // elements (the frontend copies a tensor that is not).
@@ -122,7 +140,7 @@ void check_qkv_like(const at::Tensor& t, const char* name, const at::Tensor& q) 
   for (int d = 0; d < 3; ++d) aligned = aligned && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
   TORCH_CHECK(aligned, "flash_attn: ", name,
               " must be 16-byte aligned with strides that are multiples of 8, got strides ",
-              t.strides());
+              shape(t.strides()));
 }
 
 flash::Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
@@ -136,7 +154,7 @@ DeviceInfo device_info(const at::Tensor& t) {
   static DeviceInfo cache[64];
   static std::mutex mutex;
   const int dev = t.device().index();
-  TORCH_CHECK(dev >= 0 && dev < 64, "flash_attn: unsupported device index ", dev);
+  TORCH_CHECK(dev >= 0 && dev < 64, "flash_attn: unsupported device index ", num(int64_t(dev)));
   const std::lock_guard<std::mutex> lock(mutex);
   DeviceInfo& info = cache[dev];
   if (info.arch == 0) {
@@ -166,7 +184,7 @@ uint32_t keep_threshold(double dropout_p) {
 
 void check_dropout_p(double dropout_p) {
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "flash_attn: dropout_p must be in [0, 1), got ",
-              dropout_p);
+              num(dropout_p));
 }
 
 void set_alibi(flash::FwdParams& p, const std::optional<at::Tensor>& alibi_slopes,
@@ -174,14 +192,15 @@ void set_alibi(flash::FwdParams& p, const std::optional<at::Tensor>& alibi_slope
   if (!alibi_slopes.has_value() || !alibi_slopes->defined()) return;
   const at::Tensor& s = *alibi_slopes;
   TORCH_CHECK(s.is_cuda() && s.device() == q.device(), "flash_attn: alibi_slopes is on ",
-              s.device(), " but q is on ", q.device());
+              s.device().str(), " but q is on ", q.device().str());
   TORCH_CHECK(s.scalar_type() == at::kFloat, "flash_attn: alibi_slopes must be float32, got ",
               s.scalar_type());
   TORCH_CHECK(s.is_contiguous(), "flash_attn: alibi_slopes must be contiguous");
   const bool per_head = s.dim() == 1 && s.size(0) == q.size(2);
   const bool per_batch = s.dim() == 2 && s.size(0) == q.size(0) && s.size(1) == q.size(2);
-  TORCH_CHECK(per_head || per_batch, "flash_attn: alibi_slopes must be (heads,) = (", q.size(2),
-              ",) or (batch, heads) = (", q.size(0), ", ", q.size(2), "), got ", s.sizes());
+  TORCH_CHECK(per_head || per_batch, "flash_attn: alibi_slopes must be (heads,) = (", num(q.size(2)),
+              ",) or (batch, heads) = (", num(q.size(0)), ", ", num(q.size(2)), "), got ",
+              shape(s.sizes()));
   p.alibi_slopes = s.data_ptr<float>();
   p.alibi_batch_stride = per_batch ? s.stride(0) : 0;
 }
@@ -207,7 +226,7 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
 
   // Scores and softcap: the exp2-domain convention of common/params.h.
   TORCH_CHECK(std::isfinite(f.softcap) && f.softcap >= 0.0,
-              "flash_attn: softcap must be 0 (off) or a finite positive number, got ", f.softcap);
+              "flash_attn: softcap must be 0 (off) or a finite positive number, got ", num(f.softcap));
   p.softmax_scale = float(softmax_scale);
   p.softcap = float(f.softcap);
   if (f.softcap > 0.0) {
@@ -222,8 +241,8 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
   TORCH_CHECK(f.window_left >= -1 && f.window_right >= -1 &&
                   f.window_left <= std::numeric_limits<int>::max() &&
                   f.window_right <= std::numeric_limits<int>::max(),
-              "flash_attn: window sides must be ints >= -1 (-1: unbounded), got (", f.window_left,
-              ", ", f.window_right, ")");
+              "flash_attn: window sides must be ints >= -1 (-1: unbounded), got (",
+              num(f.window_left), ", ", num(f.window_right), ")");
   p.window_left = int(f.window_left);
   p.window_right = f.causal ? 0 : int(f.window_right);
   p.causal = p.window_left < 0 && p.window_right == 0;
@@ -256,13 +275,13 @@ void check_family_features(const std::string& family, const flash::FwdParams& p)
 
 void check_rng_state(const at::Tensor& rng_state, const at::Tensor& q) {
   TORCH_CHECK(rng_state.is_cuda(), "flash_attn: rng_state must be a CUDA tensor, got one on ",
-              rng_state.device());
+              rng_state.device().str());
   TORCH_CHECK(rng_state.device() == q.device(), "flash_attn: rng_state is on ",
-              rng_state.device(), " but q is on ", q.device());
+              rng_state.device().str(), " but q is on ", q.device().str());
   TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.dim() == 1 &&
                   rng_state.size(0) == 2 && rng_state.is_contiguous(),
               "flash_attn: rng_state must be a contiguous int64 tensor of shape (2,) "
-              "([seed, offset]), got ", rng_state.scalar_type(), " ", rng_state.sizes());
+              "([seed, offset]), got ", rng_state.scalar_type(), " ", shape(rng_state.sizes()));
 }
 
 // Forward with dropout: a Philox stream from torch's default CUDA generator of q's device, so
@@ -301,23 +320,23 @@ void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
   check_qkv_like(k, "k", q);
   check_qkv_like(v, "v", q);
   TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "flash_attn: batch sizes differ");
-  TORCH_CHECK(v.sizes() == k.sizes(), "flash_attn: k ", k.sizes(), " and v ", v.sizes(),
+  TORCH_CHECK(v.sizes() == k.sizes(), "flash_attn: k ", shape(k.sizes()), " and v ", shape(v.sizes()),
               " must have the same shape");
   TORCH_CHECK(k.size(3) == q.size(3), "flash_attn: q and k head dims differ");
   TORCH_CHECK(q.size(3) > 0 && q.size(3) % 8 == 0, "flash_attn: head dim must be a positive "
-              "multiple of 8 here (the frontend pads), got ", q.size(3));
-  TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "flash_attn: heads (", q.size(2),
-              ") must be a multiple of kv heads (", k.size(2), ")");
+              "multiple of 8 here (the frontend pads), got ", num(q.size(3)));
+  TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "flash_attn: heads (", num(q.size(2)),
+              ") must be a multiple of kv heads (", num(k.size(2)), ")");
   // Tile arithmetic such as (i + 1) * Br runs in int: keep a margin below INT_MAX.
   constexpr int64_t kMaxSeqlen = std::numeric_limits<int>::max() - 1024;
   TORCH_CHECK(q.size(1) <= kMaxSeqlen && k.size(1) <= kMaxSeqlen,
-              "flash_attn: sequence lengths up to ", kMaxSeqlen, " are supported, got ",
-              q.size(1), " and ", k.size(1));
+              "flash_attn: sequence lengths up to ", num(kMaxSeqlen), " are supported, got ",
+              num(q.size(1)), " and ", num(k.size(1)));
 }
 
 void check_lse(const at::Tensor& lse, const at::Tensor& q) {
   TORCH_CHECK(lse.is_cuda() && lse.device() == q.device(), "flash_attn: lse is on ",
-              lse.device(), " but q is on ", q.device());
+              lse.device().str(), " but q is on ", q.device().str());
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
                   lse.sizes() == at::IntArrayRef({q.size(0), q.size(2), q.size(1)}),
               "flash_attn: lse must be contiguous float32 (batch, heads, seqlen_q)");
@@ -421,8 +440,8 @@ at::Tensor dropout_mask(const at::Tensor& rng_state, int64_t batch, int64_t head
   check_rng_state(rng_state, rng_state);  // (its own device: only the CUDA and layout checks)
   check_dropout_p(dropout_p);
   TORCH_CHECK(batch >= 0 && heads >= 0 && seqlen_q >= 0 && seqlen_k >= 0,
-              "flash_attn: dropout_mask sizes must be >= 0, got (", batch, ", ", heads, ", ",
-              seqlen_q, ", ", seqlen_k, ")");
+              "flash_attn: dropout_mask sizes must be >= 0, got (", num(batch), ", ", num(heads), ", ",
+              num(seqlen_q), ", ", num(seqlen_k), ")");
   constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
   TORCH_CHECK(batch * heads <= kMaxInt && seqlen_q <= kMaxInt && seqlen_k <= kMaxInt,
               "flash_attn: dropout_mask sizes past 2^31");
