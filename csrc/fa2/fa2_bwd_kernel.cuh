@@ -301,17 +301,10 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
         Tensor tSsQ = ldsm_sdp_a_thr.partition_S(sQ);
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         clear(acc_s);
+        gemm_ss_unbuffered(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, ldsm_sdp_a, ldsm_sdp_b);
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         clear(acc_dp);
-        // Head dims <= 128 have the registers to load k-slice k+1 under the MMAs of slice k
-        // (ptxas: no added spills); larger ones load each slice just before use.
-        if constexpr (kHeadDim <= 128) {
-          gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, ldsm_sdp_a, ldsm_sdp_b);
-          gemm_ss(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, ldsm_sdp_a, ldsm_sdp_b);
-        } else {
-          gemm_ss_unbuffered(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, ldsm_sdp_a, ldsm_sdp_b);
-          gemm_ss_unbuffered(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, ldsm_sdp_a, ldsm_sdp_b);
-        }
+        gemm_ss_unbuffered(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, ldsm_sdp_a, ldsm_sdp_b);
 
         // S -> Z, dP -> dS; both to shared memory for the transposed GEMMs.
         dscore.template apply<decltype(masked)::value>(acc_s, acc_dp, tScS, keep,

@@ -36,7 +36,7 @@ template <> struct FwdTile<256> { static constexpr int kBlockM = 128, kBlockN = 
 template <int kHeadDim> struct BwdTile;
 //                                     kBlockM      kBlockN      kWarps     kSdPWarpsM     kdKVWarpsN     kdQWarpsM      limit
 template <> struct BwdTile<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 4, kdQWarpsM = 4; };  // S + dP registers (128); smem 106 KB
-template <> struct BwdTile<64>  { static constexpr int kBlockM = 64,  kBlockN = 128, kWarps = 8, kSdPWarpsM = 2, kdKVWarpsN = 4, kdQWarpsM = 2; };  // registers: 128 x 128 spilled 204 B (S + dP 128 + dK, dV 64); 64 x 128 none
+template <> struct BwdTile<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 4, kdQWarpsM = 4; };  // S + dP 128 + dK, dV 64 registers; smem 146 KB
 template <> struct BwdTile<96>  { static constexpr int kBlockM = 64,  kBlockN = 128, kWarps = 8, kSdPWarpsM = 2, kdKVWarpsN = 4, kdQWarpsM = 4; };  // dK, dV 96 + S + dP 64 registers; smem 117 KB
 template <> struct BwdTile<128> { static constexpr int kBlockM = 64,  kBlockN = 128, kWarps = 8, kSdPWarpsM = 2, kdKVWarpsN = 4, kdQWarpsM = 2; };  // dK, dV 128 + S + dP 64 registers; smem 145 KB
 template <> struct BwdTile<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 2, kdQWarpsM = 2; };  // dK, dV 96 + dQ 48 registers; smem 137 KB
