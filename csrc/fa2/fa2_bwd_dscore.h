@@ -17,6 +17,7 @@
 
 #include "common/params.h"
 #include "common/philox.cuh"
+#include "fa2/fa2_dropout.h"
 #include "fa2/fa2_mask.h"
 #include "fa2/fa2_score_mod.h"
 #include "fa2/fa2_utils.h"
@@ -45,29 +46,14 @@ struct DScore {
   __device__ __forceinline__ void keep_bits(uint32_t (&bits)[kWords], Coord const& coord,
                                             int row0, int col0) const {
     constexpr int kM = decltype(size<1>(coord))::value, kN = decltype(size<2>(coord))::value;
-    static_assert(kN % 2 == 0 && (4 * kM * kN + 31) / 32 == kWords);
+    static_assert((4 * kM * kN + 31) / 32 == kWords);
 #pragma unroll
     for (int w = 0; w < kWords; ++w) bits[w] = 0u;
-#pragma unroll
-    for (int m = 0; m < kM; ++m) {
-#pragma unroll
-      for (int n = 0; n < kN; n += 2) {
-        const uint4 draws = dropout_draws(philox, bh, row0 + get<0>(coord(0, m, n)),
-                                          col0 + get<1>(coord(0, m, n)));
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            const uint32_t row = row0 + get<0>(coord(v, m, n + half));
-            const uint32_t col = col0 + get<1>(coord(v, m, n + half));
-            const int e = v + 4 * (n + half + kN * m);
-            if (draw16(draws, dropout_draw_index(row, col)) < keep_threshold) {
-              bits[e / 32] |= 1u << (e % 32);
-            }
-          }
-        }
-      }
-    }
+    for_each_dropout_decision(coord, philox, keep_threshold, bh, row0, col0,
+                              [&](int v, int m, int n, bool kept) __attribute__((always_inline)) {
+                                const int e = v + 4 * (n + kN * m);
+                                if (kept) bits[e / 32] |= 1u << (e % 32);
+                              });
   }
 
   // s: S = QK^T of the tile at (row0, col0), overwritten by Z. dp: dP = dO V^T, overwritten by

@@ -18,6 +18,7 @@
 
 #include "common/params.h"
 #include "common/philox.cuh"
+#include "fa2/fa2_dropout.h"
 #include "fa2/fa2_mask.h"
 #include "fa2/fa2_score_mod.h"
 #include "fa2/fa2_softmax.h"
@@ -50,32 +51,6 @@ struct FwdTraits {
       int(sizeof(Element)) * (cosize_v<SmemQ> + 2 * kStages * cosize_v<SmemKV>);
   static constexpr int kRowsPerThread = 2 * kBlockM / (16 * kWarps);  // rowcol rows per thread
 };
-
-// Keep-or-drop each probability of the tile at (row0, col0): one Philox call per 16x16 block a
-// lane holds (common/philox.cuh), zeroing the dropped ones. p: the fp32 accumulator fragment
-// ((2,2), MMA_M, MMA_N); coord: an identity tensor partitioned the same way.
-template <class P, class C>
-__device__ __forceinline__ void apply_dropout(P& p, C const& coord, const PhiloxKey& key,
-                                              uint32_t threshold, uint32_t bh, int row0,
-                                              int col0) {
-#pragma unroll
-  for (int m = 0; m < size<1>(p); ++m) {
-#pragma unroll
-    for (int n = 0; n < size<2>(p); n += 2) {
-      const uint32_t row = row0 + get<0>(coord(0, m, n)), col = col0 + get<1>(coord(0, m, n));
-      const uint4 draws = dropout_draws(key, bh, row, col);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          const uint32_t r = row0 + get<0>(coord(v, m, n + half));
-          const uint32_t c = col0 + get<1>(coord(v, m, n + half));
-          if (draw16(draws, dropout_draw_index(r, c)) >= threshold) p(v, m, n + half) = 0.f;
-        }
-      }
-    }
-  }
-}
 
 template <class Tr>
 __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_block, int batch,
@@ -216,7 +191,10 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
 
       softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, p.softmax_scale_log2);
       if constexpr (Tr::kDropout) {
-        apply_dropout(acc_s, tScS, philox, p.keep_threshold, bh, row0, n * kBlockN);
+        for_each_dropout_decision(tScS, philox, p.keep_threshold, bh, row0, n * kBlockN,
+                                  [&](int v, int m, int j, bool kept) __attribute__((always_inline)) {
+                                    if (!kept) acc_s(v, m, j) = 0.f;
+                                  });
       }
       Tensor rP = convert_fragment<Element>(acc_s);
       Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
