@@ -56,6 +56,7 @@ if _SKIP is not None:
 
 import flash_attn  # noqa: E402
 from flash_attn.reference import attention_ref  # noqa: E402
+from _gpu_common import assert_lse, assert_rule, poison_allocator, ulp  # noqa: E402
 
 DEVICE = torch.device("cuda")
 BACKEND = "fa1"
@@ -64,8 +65,6 @@ DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (239, 1), (256, 512), (799, 3),
            (1023, 1024), (1024, 1023), (2048, 2048)]
 HEAD_DIMS = [32, 40, 59, 64, 72, 96, 128]  # 59: the frontend pads it to 64
-LSE_TOL = 2e-4
-POISON_BYTES = 256 << 20
 
 
 def _bf16_ok():
@@ -95,49 +94,8 @@ def _skip_unless_built(dtype, head_dim):
                     f"{head_dim}")
 
 
-def _poison_allocator():
-    """Fill the memory the caching allocator will hand out next with 0xFF bytes (NaN in fp16,
-    bf16 and fp32): empty the cache, then allocate, fill and free blocks of the large pool and of
-    the small pool (allocations <= 1 MiB, carved from 2 MiB segments)."""
-    if DEVICE.type != "cuda":
-        return
-    torch.cuda.empty_cache()
-    blocks = [torch.full((POISON_BYTES,), 0xFF, dtype=torch.uint8, device=DEVICE)]
-    blocks += [torch.full((1 << 20,), 0xFF, dtype=torch.uint8, device=DEVICE) for _ in range(32)]
-    del blocks
-
-
-# ---- the rule ---------------------------------------------------------------------------------
-
-def _ulp(truth, dtype):
-    _, exponent = math.frexp(max(truth.abs().max().item(), 0.25))
-    return math.ldexp(torch.finfo(dtype).eps, exponent - 1)
-
-
-def assert_rule(name, ours, lowp, truth, factor, dtype):
-    assert ours.shape == truth.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(truth.shape)}"
-    assert ours.dtype == dtype, f"{name}: dtype {ours.dtype} != {dtype}"
-    assert not torch.isnan(ours).any(), f"{name}: NaN (an element the kernel did not write?)"
-    err = (ours.double() - truth).abs().max().item()
-    err_lowp = (lowp.double() - truth).abs().max().item()
-    ulp = _ulp(truth, dtype)
-    assert err <= factor * err_lowp + ulp, (
-        f"{name}: max error {err:.3e} > {factor} x PyTorch's {err_lowp:.3e} + ulp {ulp:.1e}")
-
-
-def assert_lse(ours, truth):
-    assert ours.shape == truth.shape and ours.dtype == torch.float32, (
-        f"lse: {ours.dtype} {tuple(ours.shape)}, want float32 {tuple(truth.shape)}")
-    assert not torch.isnan(ours).any(), "lse: NaN (an element the kernel did not write?)"
-    empty = torch.isposinf(truth)
-    assert torch.equal(torch.isposinf(ours), empty), (
-        "lse: +inf must mark exactly the rows that see no key")
-    diff = (ours.double() - truth)[~empty].abs()
-    tol = LSE_TOL * (1 + truth[~empty].abs())
-    if diff.numel():
-        worst = (diff / tol).argmax()
-        assert (diff <= tol).all(), (f"lse: error {diff[worst].item():.3e} > tolerance "
-                                     f"{tol[worst].item():.3e}")
+# The rule (assert_rule, assert_lse, ulp) and the allocator poisoning live in _gpu_common.py,
+# shared with the FA2 tests.
 
 
 # ---- running a case ---------------------------------------------------------------------------
@@ -157,10 +115,10 @@ def _reference(inputs, to_qkv, dout, causal, upcast):
 def _ours(inputs, call, dout):
     """(out, lse, grads of inputs) of the library, with poisoned memory before each pass."""
     leaves = _leaves(inputs)
-    _poison_allocator()
+    poison_allocator()
     out, lse, probs = call(*leaves)
     assert probs is None
-    _poison_allocator()
+    poison_allocator()
     grads = torch.autograd.grad(out, leaves, dout)
     return out.detach(), lse, grads
 
@@ -255,7 +213,7 @@ def test_backends_agree(sq, sk, causal, dtype):
             for what, x, y, t, e in pairs:
                 err_lowp = (e.double() - t).abs().max().item()
                 diff = (x.double() - y.double()).abs().max().item()
-                assert diff <= 2 * err_lowp + _ulp(t, dtype), (
+                assert diff <= 2 * err_lowp + ulp(t.abs().max().item(), dtype), (
                     f"{what}: {a} and {c} differ by {diff:.3e}; PyTorch's error is {err_lowp:.3e}")
 
 
