@@ -147,7 +147,7 @@ flash::Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1
 
 // Device attributes, read once per device (cudaDeviceGetAttribute does not synchronize).
 struct DeviceInfo {
-  int arch = 0, num_sms = 0;
+  int arch = 0, num_sms = 0, l2_bytes = 0;
 };
 
 DeviceInfo device_info(const at::Tensor& t) {
@@ -158,11 +158,13 @@ DeviceInfo device_info(const at::Tensor& t) {
   const std::lock_guard<std::mutex> lock(mutex);
   DeviceInfo& info = cache[dev];
   if (info.arch == 0) {
-    int major = 0, minor = 0, sms = 0;
+    int major = 0, minor = 0, sms = 0, l2 = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
     info.num_sms = sms;
+    info.l2_bytes = l2;
     info.arch = major * 10 + minor;
   }
   return info;
@@ -254,8 +256,10 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
   p.rp_keep = float(1.0 / (1.0 - f.dropout_p));
   p.keep_threshold = keep_threshold(f.dropout_p);
 
-  p.num_sms = device_info(q).num_sms;
-  p.arch = device_info(q).arch;
+  const DeviceInfo info = device_info(q);
+  p.num_sms = info.num_sms;
+  p.arch = info.arch;
+  p.l2_bytes = info.l2_bytes;
   // Tuning knob for benchmarks (README): Q tiles per FA1 forward block, 0 or unset = automatic.
   static const int q_tiles = [] {
     const char* env = std::getenv("FLASH_ATTN_FA1_Q_TILES");

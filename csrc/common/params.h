@@ -78,6 +78,7 @@ struct FwdParams {
 
   int num_sms = 0;  // of the current device, for grid sizing
   int arch = 0;     // its compute capability, major * 10 + minor (tile choice)
+  int l2_bytes = 0; // its L2 size, for the order in which blocks take tiles
 };
 
 struct BwdParams : FwdParams {

@@ -16,6 +16,11 @@ constexpr int kRowPad = 128;
 
 __host__ __device__ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// The most dynamic shared memory a block may opt into: sm80 (A100) and sm86/sm89. A tile
+// larger than the smaller also gets a variant with fewer buffers, chosen at launch.
+constexpr int kSm80SmemBytes = 163 * 1024;
+constexpr int kSm86SmemBytes = 99 * 1024;
+
 // The backward kernels' query tiles are at least this tall (the deterministic mode keeps one
 // counter per tile of this height, enough for any of them).
 constexpr int kBwdMinBlockM = 64;

@@ -10,7 +10,9 @@
 // (batch, head, query tile) says how many key tiles have added; the block of key tile n waits
 // for its turn (the number of earlier key tiles walking that query tile), adds, and passes
 // the turn on. The wait never deadlocks because the turn always goes to an earlier block of the
-// grid (blockIdx.x is the key tile), and blocks start in grid order.
+// grid (the tile order, fa2_tile_order.h, puts key tile n - 1 of a head before key tile n), and
+// blocks start in grid order. (With more than 2^31 - 1 work items blocks would stride over
+// items and that argument would not hold; no real shape comes near.)
 #pragma once
 
 #include <cstdint>
@@ -39,14 +41,21 @@ __device__ __forceinline__ void dq_atomic_add(float* dq_head, Acc const& acc, Co
 #pragma unroll
     for (int n = 0; n < size<2>(acc); ++n) {
       const int row = row0 + get<0>(coord(0, m, n)), col = get<1>(coord(0, m, n));
-      if (col >= head_dim) continue;
       float* dst = dq_head + dq_frag_offset<kHeadDim>(row, col, lane);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      atomicAdd(reinterpret_cast<float4*>(dst),
-                make_float4(acc(0, m, n), acc(1, m, n), acc(2, m, n), acc(3, m, n)));
+      // A predicated reduction, not atomicAdd(float4*): that one is an ATOMG whose (unused)
+      // result and branch around it cost more than the add.
+      asm volatile(
+          "{\n .reg .pred p;\n setp.lt.s32 p, %5, %6;\n"
+          " @p red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(dst),
+          "f"(acc(0, m, n)), "f"(acc(1, m, n)), "f"(acc(2, m, n)), "f"(acc(3, m, n)), "r"(col),
+          "r"(head_dim)
+          : "memory");
 #else
+      if (col < head_dim) {
 #pragma unroll
-      for (int v = 0; v < 4; ++v) atomicAdd(dst + v, acc(v, m, n));
+        for (int v = 0; v < 4; ++v) atomicAdd(dst + v, acc(v, m, n));
+      }
 #endif
     }
   }

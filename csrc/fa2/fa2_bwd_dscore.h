@@ -60,26 +60,15 @@ struct DScore {
   // dS. Both are m16n8 accumulator fragments ((2 cols, 2 rows), MMA_M, MMA_N) of one TiledMma
   // whose neighbouring n8 tiles (n, n + 1) a lane holds are 8 keys apart inside one 16-key
   // block, so one Philox call gives the draws of all 8 elements (v, m, n..n+1) (keep_bits).
-  // keep: those bits (dropout only). coord: the same partition of an identity tensor over the tile. s_lse / s_dsum: lse and D
-  // of the tile's rows in shared memory (rows past seqlen_q hold anything; their P is 0).
-  // The mask test uses col - row against the window's diagonals, so no per-row bounds stay
-  // live in registers.
-  template <bool kMasked, class Frag, class Coord, int kWords>
+  // keep: those bits (dropout only). coord: the same partition of an identity tensor over the
+  // tile. s_lse / s_dsum: lse and D of the tile's rows in shared memory (rows past seqlen_q
+  // hold anything; their P is 0). kModded: softcap or ALiBi may be on (the kernel's
+  // kScoreMod); which one is a uniform runtime test. The mask test uses col - row against the
+  // window's diagonals, so no per-row bounds stay live in registers.
+  template <bool kMasked, bool kModded, class Frag, class Coord, int kWords>
   __device__ __forceinline__ void apply(Frag& s, Frag& dp, Coord const& coord,
                                         const uint32_t (&keep)[kWords], const float* s_lse,
                                         const float* s_dsum, int row0, int col0) const {
-    // The softcap / ALiBi switches are uniform: branch once, not per element.
-    if (mod.softcap() || mod.alibi()) {
-      apply_impl<kMasked, true>(s, dp, coord, keep, s_lse, s_dsum, row0, col0);
-    } else {
-      apply_impl<kMasked, false>(s, dp, coord, keep, s_lse, s_dsum, row0, col0);
-    }
-  }
-
-  template <bool kMasked, bool kModded, class Frag, class Coord, int kWords>
-  __device__ __forceinline__ void apply_impl(Frag& s, Frag& dp, Coord const& coord,
-                                             const uint32_t (&keep)[kWords], const float* s_lse,
-                                             const float* s_dsum, int row0, int col0) const {
     constexpr int kM = decltype(size<1>(s))::value, kN = decltype(size<2>(s))::value;
     const int shift = mask.seqlen_k - mask.seqlen_q;
     const int diff_lo = mask.left < 0 ? INT_MIN : shift - mask.left;

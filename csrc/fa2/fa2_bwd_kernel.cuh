@@ -7,11 +7,11 @@
 //                                        | dropout keep bits (Philox)
 //   wait Q[m], dO[m]; start Q[m-1]       | S = Q K^T, dP = dO V^T           (tensor cores)
 //                                        | Z, dS from S, dP, lse, D, keep    (fa2_bwd_dscore.h)
-//   Z, dS -> shared memory               | dV += Z^T dO, dK += dS^T Q       (tensor cores)
-//   start dO[m-1]                        | dQ_m += dS K -> fp32 reds         (tensor cores)
+//   Z, dS -> shared memory               | dV += Z^T dO                      (tensor cores)
+//   start dO[m-1]                        | dQ_m += dS K -> fp32 reds, dK += dS^T Q
 // Q has two shared-memory buffers, so its next tile loads during the whole step; dO has one,
-// free once dV is done, so its next tile loads under the dQ GEMM and its reductions. Where two
-// Q buffers do not fit (hdim 256 on sm80), Q[m-1] loads with dO[m-1]. The rows' lse and D
+// free once dV is done, so its next tile loads under the dQ and dK GEMMs (2 of the 5). Where
+// two Q buffers do not fit (hdim 256 on sm80), Q[m-1] loads after dK. The rows' lse and D
 // travel with Q (cp.async into shared memory), so no per-row value holds a register across the
 // GEMMs.
 // The transposed operands (Z^T, dS^T, dO^T, Q^T, K^T) are read from shared memory with
@@ -30,18 +30,20 @@
 #include "fa2/fa2_bwd_dscore.h"
 #include "fa2/fa2_bwd_mask.h"
 #include "fa2/fa2_mask.h"
+#include "fa2/fa2_tile_order.h"
 #include "fa2/fa2_tiles.h"
 #include "fa2/fa2_utils.h"
 
 namespace flash::fa2 {
 
-template <typename T, int kHeadDim_, int kQStages_, bool kDropout_>
+template <typename T, int kHeadDim_, int kQStages_, bool kDropout_, bool kScoreMod_>
 struct BwdTraits {
   using Element = typename CuteType<T>::type;
   using Table = BwdTile<kHeadDim_>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kQStages = kQStages_;
   static constexpr bool kDropout = kDropout_;
+  static constexpr bool kScoreMod = kScoreMod_;  // softcap or ALiBi may be on (runtime fields)
   static constexpr int kBlockM = Table::kBlockM;
   static constexpr int kBlockN = Table::kBlockN;
   static constexpr int kWarps = Table::kWarps;
@@ -307,7 +309,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
         gemm_ss_unbuffered(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, ldsm_sdp_a, ldsm_sdp_b);
 
         // S -> Z, dP -> dS; both to shared memory for the transposed GEMMs.
-        dscore.template apply<decltype(masked)::value>(acc_s, acc_dp, tScS, keep,
+        dscore.template apply<decltype(masked)::value, Tr::kScoreMod>(acc_s, acc_dp, tScS, keep,
                                                        lse_buffer(stage), dsum_buffer(stage),
                                                        row0, col0);
         Tensor rZ = convert_fragment<Element>(acc_s);
@@ -316,22 +318,16 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
         copy(smem_store_sdp, smem_store_sdp_thr.retile_S(rdS), tdSsdS);
         __syncthreads();  // Z, dS complete
 
-        // dV += Z^T dO, dK += dS^T Q.
+        // dV += Z^T dO: the last use of dO[m], so its next tile can load under dQ and dK.
         gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, ldsm_dkv_a, ldsm_dkv_b);
-        Tensor sQt = make_tensor(make_smem_ptr(q_buffer(stage)), typename Tr::SmemQt{});  // (hdim, BM)
-        Tensor tdKsQt = ldsm_dkv_b_thr.partition_S(sQt);
-        gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, ldsm_dkv_a, ldsm_dkv_b);
-        __syncthreads();  // every warp is done with dO[m] (and Q[m])
+        __syncthreads();  // every warp is done with dO[m]
         if (has_next) {
           load_q_tile(p.dout, p.do_strides, next_head, next_m, smem_do);
-          if (Tr::kQStages == 1) {
-            load_q_tile(p.q, p.q_strides, next_head, next_m, q_buffer(0));
-            load_row_stats(next_head, next_m, 0);
-          }
           cp_async_fence();
         }
 
-        // dQ_m += dS K (softmax_scale applied at conversion).
+        // dQ_m += dS K (softmax_scale applied at conversion), added before dK's GEMM so the
+        // reductions drain under it and the dQ fragment is dead by then.
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
         clear(acc_dq);
         gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, ldsm_dq_a, ldsm_dq_b);
@@ -342,6 +338,17 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
         }
         dq_atomic_add<kHeadDim>(dq_head, acc_dq, tdQcdQ, row0, p.head_dim);
         if (counter != nullptr) DqTurn::pass(counter);
+
+        // dK += dS^T Q.
+        Tensor sQt = make_tensor(make_smem_ptr(q_buffer(stage)), typename Tr::SmemQt{});  // (hdim, BM)
+        Tensor tdKsQt = ldsm_dkv_b_thr.partition_S(sQt);
+        gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, ldsm_dkv_a, ldsm_dkv_b);
+        if (Tr::kQStages == 1 && has_next) {
+          __syncthreads();  // every warp is done with Q[m], the only Q buffer
+          load_q_tile(p.q, p.q_strides, next_head, next_m, q_buffer(0));
+          load_row_stats(next_head, next_m, 0);
+          cp_async_fence();
+        }
         if (Tr::kQStages == 2) stage ^= 1;
       };
 
@@ -381,15 +388,17 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
 }
 
 template <class Tr>
-__global__ void __launch_bounds__(Tr::kThreads, 1) bwd_kernel(const __grid_constant__ BwdParams p) {
+__global__ void __launch_bounds__(Tr::kThreads, 1) bwd_kernel(const __grid_constant__ BwdParams p,
+                                                              const TileOrder order) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(128) char smem[];
-  // blockIdx.x is the key tile: under a causal mask the first key tiles have the most query
-  // tiles, so they start first; the deterministic dQ order also relies on this grid order.
-  const int n_block = blockIdx.x;
-  const int64_t batch_heads_k = int64_t(p.batch) * p.heads_k;
-  // gridDim.y is capped at 65535; larger batch * heads_k wrap around.
-  for (int64_t bhk = blockIdx.y; bhk < batch_heads_k; bhk += gridDim.y) {
+  // Items over (key tile, batch * heads_k). Tile t is key tile t: under a causal mask the
+  // first key tiles have the most query tiles. The deterministic dQ order relies on key tile
+  // n - 1 of a head starting before key tile n (fa2_bwd_dq.h), which TileOrder keeps.
+  for (int64_t item = blockIdx.x; item < order.items(); item += gridDim.x) {
+    int n_block;
+    int64_t bhk;
+    order.decode(item, n_block, bhk);
     bwd_key_tile<Tr>(p, smem, n_block, int(bhk / p.heads_k), int(bhk % p.heads_k));
     __syncthreads();  // the next tile's loads overwrite shared memory
   }

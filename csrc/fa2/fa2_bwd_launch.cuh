@@ -1,6 +1,6 @@
 // FA2 backward launcher: the workspace layout, D = rowsum(dO o O), the main kernel (its Q
-// buffering chosen by the device's shared memory, dropout as a template flag), and the dQ
-// conversion. Included by the generated instantiation files only.
+// buffering chosen by the device's shared memory, dropout and score mods as template flags),
+// and the dQ conversion. Included by the generated instantiation files only.
 #pragma once
 
 #include <algorithm>
@@ -15,30 +15,39 @@
 
 namespace flash::fa2 {
 
-// The most dynamic shared memory an sm80 block may opt into (A100). A tile whose two Q buffers
-// need more also gets a one-buffer variant, for sm80.
-constexpr int kSm80SmemBytes = 163 * 1024;
-
 template <class Tr>
 void launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
   const int n_blocks = int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN);
-  const int64_t batch_heads_k = int64_t(p.batch) * p.heads_k;
-  const dim3 grid(n_blocks, unsigned(std::min<int64_t>(batch_heads_k, 65535)));
+  // A key tile walks Q, dO (and adds into dQ, fp32) of every query head of its KV head.
+  const int64_t q_bytes = int64_t(p.seqlen_q) * Tr::kHeadDim *
+                          (2 * sizeof(typename Tr::Element) + sizeof(float)) *
+                          (p.heads / p.heads_k);
+  const TileOrder order = tile_order(n_blocks, int64_t(p.batch) * p.heads_k, q_bytes, p.l2_bytes);
   auto kernel = bwd_kernel<Tr>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+  kernel<<<order.grid(), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, order);
   FLASH_CHECK_LAUNCH();
 }
 
-// Dropout is a template flag: its Philox state and draws cost registers the plain kernel should
-// not carry. Everything else (mask, window, softcap, ALiBi, GQA, determinism) is a runtime field.
+// Dropout and the score mods (softcap, ALiBi) are template flags: their state and code cost
+// registers, and the loop's instruction footprint, that the plain kernel should not carry.
+// Everything else (mask, window, GQA, determinism) is a runtime field.
+template <typename T, int kHeadDim, int kQStages, bool kDropout>
+void launch_bwd_mod_variant(const BwdParams& p, cudaStream_t stream) {
+  if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
+    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, true>>(p, stream);
+  } else {
+    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, false>>(p, stream);
+  }
+}
+
 template <typename T, int kHeadDim, int kQStages>
 void launch_bwd_variant(const BwdParams& p, cudaStream_t stream) {
   if (p.dropout_p > 0.f) {
-    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, true>>(p, stream);
+    launch_bwd_mod_variant<T, kHeadDim, kQStages, true>(p, stream);
   } else {
-    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, false>>(p, stream);
+    launch_bwd_mod_variant<T, kHeadDim, kQStages, false>(p, stream);
   }
 }
 
@@ -68,8 +77,8 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   FLASH_CHECK_CUDA(cudaGetDevice(&device));
   FLASH_CHECK_CUDA(
       cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  constexpr int kSmemTwo = BwdTraits<T, kHeadDim, 2, false>::kSmemBytes;
-  constexpr int kSmemOne = BwdTraits<T, kHeadDim, 1, false>::kSmemBytes;
+  constexpr int kSmemTwo = BwdTraits<T, kHeadDim, 2, false, false>::kSmemBytes;
+  constexpr int kSmemOne = BwdTraits<T, kHeadDim, 1, false, false>::kSmemBytes;
   if (kSmemTwo <= max_smem) {
     launch_bwd_variant<T, kHeadDim, 2>(p, stream);
   } else if constexpr (kSmemTwo > kSm80SmemBytes) {

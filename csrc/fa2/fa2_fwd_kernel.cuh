@@ -3,13 +3,13 @@
 // owns 16-row slices of the query tile, so the softmax statistics never cross warps.
 //
 // Per key tile n (walked from the last to the first, so the tiles that need a mask come first),
-// with two K/V stages (FwdTile::kStages, head dims <= 128):
+// with two K/V stages (FwdTile::kStages, where the device's shared memory allows):
 //   wait K[n], V[n]; start loading K[n-1], V[n-1] into the other stage
 //   S = Q K[n]^T                                        (tensor cores)
 //   score mod (softcap, ALiBi), mask; m, l, O rescale, P = exp2(S - m)
 //   O += P V[n]                                         (tensor cores)
-// so each load has a whole step to land and a step has one barrier. With one stage (larger
-// head dims, where two do not fit in shared memory) K and V alternate in their single buffers:
+// so each load has a whole step to land and a step has one barrier. With one stage (large
+// head dims on GPUs where two stages do not fit in shared memory) K and V alternate in their single buffers:
 // V[n] loads under S = Q K[n]^T, K[n-1] under O += P V[n]. Once at the end: O /= l,
 // lse = m + log l.
 #pragma once
@@ -22,20 +22,22 @@
 #include "fa2/fa2_mask.h"
 #include "fa2/fa2_score_mod.h"
 #include "fa2/fa2_softmax.h"
+#include "fa2/fa2_tile_order.h"
 #include "fa2/fa2_tiles.h"
 #include "fa2/fa2_utils.h"
 
 namespace flash::fa2 {
 
-template <typename T, int kHeadDim_, bool kDropout_>
+template <typename T, int kHeadDim_, int kStages_, bool kDropout_, bool kScoreMod_>
 struct FwdTraits {
   using Element = typename CuteType<T>::type;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kStages = kStages_;  // FwdTile's, or 1 where two do not fit the device
   static constexpr bool kDropout = kDropout_;
+  static constexpr bool kScoreMod = kScoreMod_;  // softcap or ALiBi may be on (runtime fields)
   static constexpr int kBlockM = FwdTile<kHeadDim>::kBlockM;
   static constexpr int kBlockN = FwdTile<kHeadDim>::kBlockN;
   static constexpr int kWarps = FwdTile<kHeadDim>::kWarps;
-  static constexpr int kStages = FwdTile<kHeadDim>::kStages;
   static constexpr int kThreads = kWarps * 32;
 
   using L = Layouts<Element, kHeadDim>;
@@ -136,7 +138,6 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
 
   Softmax<Tr::kRowsPerThread> softmax;
   const ScoreMod score_mod(p, batch, head);
-  const bool modded = score_mod.softcap() || score_mod.alibi();
   PhiloxKey philox{};
   const uint32_t bh = uint32_t(batch) * p.heads + head;
   if constexpr (Tr::kDropout) philox = philox_key(p.philox);
@@ -177,7 +178,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
 
       gemm_ss(acc_s, tSrQ, tSrK, tSsQ, stage(tSsK, cur), mma, ldsm_q, ldsm_k);
       Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
-      if (modded) score_mod.apply(s_rc, tScS_rc, row0, n * kBlockN);
+      if constexpr (Tr::kScoreMod) score_mod.apply(s_rc, tScS_rc, row0, n * kBlockN);
       if constexpr (decltype(masked)::value) mask.apply(s_rc, tScS_rc, row0, n * kBlockN);
 
       if constexpr (Tr::kStages == 1) {
@@ -252,20 +253,20 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
 }
 
 template <class Tr>
-__global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant__ FwdParams p) {
+__global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant__ FwdParams p,
+                                                           const TileOrder order) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(128) char smem[];
-  // Query tiles in reverse: under a causal mask the last tiles have the most keys, and
-  // starting them first keeps the tail of the grid short.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int64_t batch_heads = int64_t(p.batch) * p.heads;
-  // gridDim.y is capped at 65535; larger batch * heads wrap around.
-  for (int64_t bh = blockIdx.y; bh < batch_heads; bh += gridDim.y) {
-    fwd_tile<Tr>(p, smem, m_block, int(bh / p.heads), int(bh % p.heads));
+  for (int64_t item = blockIdx.x; item < order.items(); item += gridDim.x) {
+    int tile;
+    int64_t bh;
+    order.decode(item, tile, bh);
+    // Tile 0 is the last query tile: under a causal mask, the one with the most keys.
+    fwd_tile<Tr>(p, smem, order.tiles - 1 - tile, int(bh / p.heads), int(bh % p.heads));
     __syncthreads();  // the next tile's loads overwrite shared memory
   }
   if constexpr (Tr::kDropout) {
-    if (p.rng_state != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    if (p.rng_state != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
       p.rng_state[0] = int64_t(philox_seed(p.philox));
       p.rng_state[1] = int64_t(philox_offset(p.philox));
     }

@@ -13,16 +13,17 @@ namespace flash::fa2 {
 // kBlockN. Per thread, O costs kBlockM * hdim / threads fp32 registers and S
 // kBlockM * kBlockN / threads.
 // kStages: K/V shared-memory buffers. 2: the loads of tile n-1 are issued as tile n starts and
-// have a whole step to land; 1: K and V alternate (each load overlaps one GEMM). Two stages are
-// used wherever they fit the 99 KB a block gets on sm86/sm89.
+// have a whole step to land, and a step has one barrier; 1: K and V alternate (each load
+// overlaps one GEMM, two barriers a step). Where two stages do not fit the device (the smem
+// column against kSm80SmemBytes / kSm86SmemBytes in fa2.h), the launcher runs one.
 template <int kHeadDim> struct FwdTile;
-//                                     kBlockM      kBlockN      kWarps     kStages   limit
-template <> struct FwdTile<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4, kStages = 2; };  // S registers (128)
-template <> struct FwdTile<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4, kStages = 2; };  // O 64 + S 128 registers; smem 80 KB
-template <> struct FwdTile<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 4, kStages = 2; };  // O 96 + S 64 registers
-template <> struct FwdTile<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 4, kStages = 2; };  // O 128 + S 64 registers; smem 96 KB
-template <> struct FwdTile<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8, kStages = 1; };  // O registers: 8 warps keep it at 96; smem 96 KB
-template <> struct FwdTile<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8, kStages = 1; };  // smem: Q 64 KB + K 32 KB + V 32 KB
+//                                     kBlockM      kBlockN      kWarps     kStages   limit; smem with kStages (1 stage)
+template <> struct FwdTile<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4, kStages = 2; };  // S registers (128); 48 KB
+template <> struct FwdTile<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 4, kStages = 2; };  // O 64 + S 128 registers; 80 KB
+template <> struct FwdTile<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 4, kStages = 2; };  // O 96 + S 64 registers; 72 KB
+template <> struct FwdTile<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 4, kStages = 2; };  // O 128 + S 64 registers; 96 KB
+template <> struct FwdTile<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8, kStages = 2; };  // O registers: 8 warps keep it at 96; 144 KB (96 KB: sm86)
+template <> struct FwdTile<256> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8, kStages = 2; };  // Q 64 KB + 2 x (K, V 32 KB) = 192 KB (128 KB: sm80)
 
 // ---- backward -------------------------------------------------------------------------------
 // A block owns kBlockN keys and walks the query tiles of kBlockM that see them. Per thread, dK
@@ -74,10 +75,12 @@ struct Layouts {
   template <int kThreads>
   using GmemThreads = Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>,
                              Stride<Int<kThreadsPerRow>, _1>>;
+  // Loads are cp.async with zero fill: a vector outside the tile's rows or head dim is one
+  // cp.async with src-size 0 (copy_tile), not a branch to shared-memory stores.
   template <int kThreads>
   using GmemLoad = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemThreads<kThreads>{},
-      Layout<Shape<_1, _8>>{}));
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{},
+      GmemThreads<kThreads>{}, Layout<Shape<_1, _8>>{}));
   template <int kThreads>
   using GmemStore = decltype(make_tiled_copy(
       Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemThreads<kThreads>{},

@@ -117,11 +117,12 @@ __device__ __forceinline__ void gemm_rs(Acc& acc, RA const& tCrA, RB& tCrB, SB c
 
 // ---- predicated tile copies ------------------------------------------------------------------
 
-// Global -> shared copy of one (rows, head dim) tile, 16 bytes per instruction. Rows at or
-// past max_rows and columns at or past head_dim are written as zeros, so padded rows and
-// columns never bring garbage (possibly NaN) into a dot product.
-// tS/tD: the tiled copy's partitions (CPY, CPY_M, CPY_K); tC: the same partition of an identity
-// tensor over the tile, giving each vector's (row, col).
+// Global -> shared copy of one (rows, head dim) tile, 16 bytes per cp.async. Rows at or past
+// max_rows and columns at or past head_dim are written as zeros (the zero-fill form reads no
+// bytes there), so padded rows and columns never bring garbage (possibly NaN) into a dot
+// product. tiled_copy: a cp.async zero-fill TiledCopy (Layouts::GmemLoad); tS/tD: its
+// partitions (CPY, CPY_M, CPY_K); tC: the same partition of an identity tensor over the tile,
+// giving each vector's (row, col).
 template <bool kCheckRows, class TiledCopy, class Src, class Dst, class Coord>
 __device__ __forceinline__ void copy_tile(TiledCopy const& tiled_copy, Src const& tS, Dst& tD,
                                           Coord const& tC, int max_rows, int head_dim) {
@@ -130,11 +131,7 @@ __device__ __forceinline__ void copy_tile(TiledCopy const& tiled_copy, Src const
     const bool row_ok = !kCheckRows || get<0>(tC(0, m, 0)) < max_rows;
 #pragma unroll
     for (int k = 0; k < size<2>(tS); ++k) {
-      if (row_ok && get<1>(tC(0, m, k)) < head_dim) {
-        copy(tiled_copy, tS(_, m, k), tD(_, m, k));
-      } else {
-        clear(tD(_, m, k));
-      }
+      copy(tiled_copy.with(row_ok && get<1>(tC(0, m, k)) < head_dim), tS(_, m, k), tD(_, m, k));
     }
   }
 }
