@@ -35,12 +35,15 @@ REF_ORDER = ("sdpa_efficient", "sdpa_flash", "cudnn", "torch")
 CHECK_REL_TOL = 0.05
 
 FULL = dict(seqlens="512,1024,2048,4096,8192,16384", hdims="64,128,256",
-            target_ms=100.0, min_reps=5, max_reps=50)
-QUICK = dict(seqlens="512,2048", hdims="64,128", target_ms=20.0, min_reps=3, max_reps=10)
+            target_ms=150.0, min_reps=6, max_reps=60, rounds=3)
+QUICK = dict(seqlens="512,2048", hdims="64,128", target_ms=20.0, min_reps=3, max_reps=10,
+             rounds=1)
 
 TIMING = ("CUDA events around each repetition; median over reps; reps chosen so that timed work "
           "is about target_ms per cell (clamped to [min_reps, max_reps]) unless --reps is given; "
-          "warm-up calls first; repetitions rotate over n_input_sets sets of fresh torch.randn "
+          "the reps of a cell come in `rounds` rounds that alternate between the backends "
+          "(backend A, B, ..., then A, B, ... again), so a drift of the GPU's clocks during a "
+          "shape's cells falls on every backend alike; warm-up calls at the start of each round; repetitions rotate over n_input_sets sets of fresh torch.randn "
           "inputs (enough sets to exceed 2x L2 where memory allows, so inputs are not "
           "L2-resident). fwd: the forward with inputs requiring grad (a training forward). bwd: "
           "forward run untimed, then torch.autograd.grad(out, (q, k, v), dout) timed (no .grad "
@@ -85,7 +88,7 @@ def make_input_sets(batch, seqlen, nheads, hdim, dtype, device) -> list[Inputs]:
 
 
 def time_cell(fn, sets: list[Inputs], causal: bool, mode: str, args, device) -> list[float]:
-    """Milliseconds of each timed repetition."""
+    """Milliseconds of each timed repetition of one round (1 / args.rounds of a cell)."""
     Event = C.event_class(device)
 
     def step(i, start, end):
@@ -107,8 +110,10 @@ def time_cell(fn, sets: list[Inputs], causal: bool, mode: str, args, device) -> 
     for i in range(args.warmup):
         step(i, *probe)
     C.synchronize(device)
-    reps = args.reps or min(args.max_reps, max(args.min_reps, math.ceil(
-        args.target_ms / max(probe[0].elapsed_time(probe[1]), 1e-3))))
+    rounds = max(1, args.rounds)
+    reps = (math.ceil(args.reps / rounds) if args.reps else
+            min(math.ceil(args.max_reps / rounds), max(math.ceil(args.min_reps / rounds), math.ceil(
+                args.target_ms / rounds / max(probe[0].elapsed_time(probe[1]), 1e-3)))))
     events = [(Event(enable_timing=True), Event(enable_timing=True)) for _ in range(reps)]
     for i, (start, end) in enumerate(events):
         step(args.warmup + i, start, end)
@@ -170,6 +175,7 @@ class Grid:
         for causal in a.causal:
             ref, ref_name = (self.reference_output(sets[0], causal) if sets and not self.dead
                              else (None, None))
+            checks = {}
             for b in self.backends:
                 check, error = None, self.dead or sets_error or b.unavailable
                 if error is None:
@@ -180,8 +186,9 @@ class Grid:
                     if check and check.get("suspicious"):
                         C.log(f"WARNING: {b.name} output differs from {check['ref']}: "
                               f"relative error {check['rel_err']}")
-                for mode in a.modes:
-                    self.run_cell(b, shape, causal, mode, sets, check, error)
+                checks[b.name] = (check, error)
+            for mode in a.modes:
+                self.run_mode(shape, causal, mode, sets, checks)
 
     def reference_output(self, x: Inputs, causal: bool):
         """(output, backend name) of the first REF_ORDER baseline that runs this shape."""
@@ -193,20 +200,27 @@ class Grid:
                 break
         return None, None
 
-    def run_cell(self, b: C.Backend, shape: dict, causal: bool, mode: str, sets, check,
-                 error: str | None) -> None:
-        error = error or self.dead
-        times = None
-        if error is None:
-            times, error = self.attempt(time_cell, b.fn, sets, causal, mode, self.args,
-                                        self.device)
+    def run_mode(self, shape: dict, causal: bool, mode: str, sets, checks: dict) -> None:
+        """One cell per backend, their reps timed in interleaved rounds."""
+        times = {b.name: [] for b in self.backends}
+        errors = {b.name: checks[b.name][1] for b in self.backends}
+        for _ in range(max(1, self.args.rounds)):
+            for b in self.backends:
+                if errors[b.name] is None and self.dead is None:
+                    t, errors[b.name] = self.attempt(time_cell, b.fn, sets, causal, mode,
+                                                     self.args, self.device)
+                    times[b.name] += t or []
         flops = attn_flops(shape["batch"], shape["nheads"], shape["seqlen"], shape["seqlen"],
                            shape["hdim"], causal, mode)
-        cell = dict(mode=mode, causal=causal, **shape, backend=b.name, kind=b.kind,
-                    dtype=self.args.dtype, flops=flops, **summarize(times, flops), error=error,
-                    oom=error == "OOM", check=check, n_input_sets=len(sets or ()))
-        self.results.append(cell)
-        C.log(progress_line(len(self.results), self.total, time.time() - self.t0, cell))
+        for b in self.backends:
+            error = errors[b.name] or self.dead
+            cell = dict(mode=mode, causal=causal, **shape, backend=b.name, kind=b.kind,
+                        dtype=self.args.dtype, flops=flops,
+                        **summarize(None if error else times[b.name], flops), error=error,
+                        oom=error == "OOM", check=checks[b.name][0],
+                        n_input_sets=len(sets or ()))
+            self.results.append(cell)
+            C.log(progress_line(len(self.results), self.total, time.time() - self.t0, cell))
 
 
 def summarize(times: list[float] | None, flops: float) -> dict:
@@ -366,7 +380,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"adaptive reps: timed work per cell (default {FULL['target_ms']:g})")
     p.add_argument("--min-reps", type=int, help=f"(default {FULL['min_reps']})")
     p.add_argument("--max-reps", type=int, help=f"(default {FULL['max_reps']})")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls per cell (default 2)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed calls per cell and round (default 2)")
+    p.add_argument("--rounds", type=int,
+                   help="rounds alternating between backends per cell "
+                        f"(default {FULL['rounds']})")
     p.add_argument("--out-dir", type=Path, default=C.DEFAULT_OUT_DIR,
                    help="(default benchmarks/results)")
     p.add_argument("--tag", help="suffix for the output file names")
@@ -381,7 +399,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key in ("seqlens", "hdims"):
         if getattr(args, key) is None:
             setattr(args, key, C.parse_int_list(preset[key]))
-    for key in ("target_ms", "min_reps", "max_reps"):
+    for key in ("target_ms", "min_reps", "max_reps", "rounds"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
     try:
@@ -406,6 +424,7 @@ def main(argv=None) -> int:
                   seqlens=args.seqlens, hdims=args.hdims, causal=args.causal, modes=args.modes,
                   backends_requested=args.backends, reps=args.reps or "adaptive",
                   target_ms=args.target_ms, min_reps=args.min_reps, max_reps=args.max_reps,
+                  rounds=args.rounds,
                   warmup=args.warmup, seed=args.seed, timing=TIMING, flops=FLOPS,
                   check=f"forward output vs first of {list(REF_ORDER)} that runs; "
                         f"suspicious if relative Frobenius error > {CHECK_REL_TOL}")

@@ -2,7 +2,8 @@
 one keyword-only ``backend=None`` (see ``_dispatch``).
 
 Each call: validate (``_validate``) -> choose the family (``_dispatch``) -> bring q/k/v into the
-layout the kernels read, padding the head dim to a multiple of 8 -> ``flash_attn::fwd`` -> slice
+layout the kernels read, padding the head dim to a multiple of 8 -> ``flash_attn::fwd`` (or, in
+plain eager calls, the same computation without the op's dispatch: ``_ops.attention``) -> slice
 the padding off. Autograd runs through the pad / slice / unbind like any other op, so gradients
 come back in the caller's shapes.
 
@@ -18,8 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-# _ops is imported for its side effect: it registers torch.ops.flash_attn.
-from . import _dispatch, _ops, _validate, reference  # noqa: F401
+# _ops registers torch.ops.flash_attn and holds the eager path to the same kernels.
+from . import _dispatch, _ops, _validate, reference
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -51,7 +52,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     # the op, so the op saves the copy for backward instead of copying again there.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     window_left, window_right = call.window
-    out, lse, rng_state = torch.ops.flash_attn.fwd(
+    out, lse, rng_state = _ops.attention(
         q, k, v, softmax_scale, call.causal, window_left, window_right, softcap,
         alibi_slopes, dropout_p, bool(deterministic), family)
     if pad:
