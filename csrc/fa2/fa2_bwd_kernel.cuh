@@ -6,14 +6,15 @@
 // Per query tile m (walked from the last to the first, masked tiles split from unmasked ones):
 //                                        | dropout keep bits (Philox)
 //   wait Q[m], dO[m]; start Q[m-1]       | S = Q K^T, dP = dO V^T           (tensor cores)
-//                                        | Z, dS from S, dP, lse, D, keep    (fa2_bwd_dscore.h)
+//   (two dO buffers: and dO[m-1])        | Z, dS from S, dP, lse, D, keep    (fa2_bwd_dscore.h)
 //   Z, dS -> shared memory               | dV += Z^T dO                      (tensor cores)
-//   start dO[m-1]                        | dQ_m += dS K -> fp32 reds, dK += dS^T Q
-// Q has two shared-memory buffers, so its next tile loads during the whole step; dO has one,
-// free once dV is done, so its next tile loads under the dQ and dK GEMMs (2 of the 5). Where
-// two Q buffers do not fit (hdim 256 on sm80), Q[m-1] loads after dK. The rows' lse and D
-// travel with Q (cp.async into shared memory), so no per-row value holds a register across the
-// GEMMs.
+//   (one dO buffer: start dO[m-1])       | dQ_m += dS K -> fp32 reds, dK += dS^T Q
+// Q has two shared-memory buffers (kQStages = 2), so its next tile loads during the whole step.
+// dO has two where BwdTile asks for them (then a step has two barriers), else one, free once dV
+// is done, so its next tile loads under the dQ and dK GEMMs behind a third barrier. Where two Q
+// buffers do not fit (hdim 256 on sm80), kQStages = 1: the next Q and dO load after dK. The
+// rows' lse and D travel with Q (cp.async into shared memory), so no per-row value holds a
+// register across the GEMMs.
 // The transposed operands (Z^T, dS^T, dO^T, Q^T, K^T) are read from shared memory with
 // ldmatrix.trans; S and dP keep the forward's row = query layout, which the dropout draws use.
 //
@@ -41,14 +42,15 @@ struct BwdTraits {
   using Element = typename CuteType<T>::type;
   using Table = BwdTile<kHeadDim_>;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kQStages = kQStages_;
+  static constexpr int kQStages = kQStages_;  // buffers of Q (with its rows' lse, D)
+  static constexpr int kdOStages = kQStages == 2 ? Table::kdOStages : 1;
   static constexpr bool kDropout = kDropout_;
   static constexpr bool kScoreMod = kScoreMod_;  // softcap or ALiBi may be on (runtime fields)
   static constexpr int kBlockM = Table::kBlockM;
   static constexpr int kBlockN = Table::kBlockN;
   static constexpr int kWarps = Table::kWarps;
   static constexpr int kThreads = kWarps * 32;
-  static_assert(kQStages == 1 || kQStages == 2);
+  static_assert((kQStages == 1 || kQStages == 2) && (kdOStages == 1 || kdOStages == 2));
   static_assert(kBlockM >= kBwdMinBlockM && kBlockM % kBwdMinBlockM == 0 && kRowPad % kBlockM == 0);
 
   using L = Layouts<Element, kHeadDim>;
@@ -86,7 +88,7 @@ struct BwdTraits {
   // lse and D of the tile's rows travel with Q: kQStages x (lse, D) x kBlockM fp32.
   static constexpr int kStatsSize = 2 * kBlockM;
   static constexpr int kSmemBytes =
-      int(sizeof(Element)) * ((kQStages + 1) * kQSize + 2 * kKVSize + 2 * kPdSSize) +
+      int(sizeof(Element)) * ((kQStages + kdOStages) * kQSize + 2 * kKVSize + 2 * kPdSSize) +
       kQStages * kStatsSize * int(sizeof(float));
 };
 
@@ -137,14 +139,16 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   const Mask mask(p);
   const QueryTiles tiles = query_tiles<kBlockM, kBlockN>(mask, n_block);
 
-  // ---- shared memory: Q (kQStages buffers), dO, K, V, Z, dS -----------------------------
+  // ---- shared memory: Q (kQStages buffers), dO (kdOStages), K, V, Z, dS ------------------
   Element* smem_q = reinterpret_cast<Element*>(smem);
   Element* smem_do = smem_q + Tr::kQStages * Tr::kQSize;
-  Element* smem_k = smem_do + Tr::kQSize;
+  Element* smem_k = smem_do + Tr::kdOStages * Tr::kQSize;
   Element* smem_v = smem_k + Tr::kKVSize;
   Element* smem_p = smem_v + Tr::kKVSize;
   Element* smem_ds = smem_p + Tr::kPdSSize;
   float* smem_stats = reinterpret_cast<float*>(smem_ds + Tr::kPdSSize);  // kQStages x (lse, D)
+  // Stage 0 of dO: the layouts the register fragments are shaped from (each step partitions
+  // its own stage).
   Tensor sdO = make_tensor(make_smem_ptr(smem_do), typename Tr::SmemQ{});       // (BM, hdim)
   Tensor sdOt = make_tensor(make_smem_ptr(smem_do), typename Tr::SmemQt{});     // (hdim, BM)
   Tensor sK = make_tensor(make_smem_ptr(smem_k), typename Tr::SmemKV{});        // (BN, hdim)
@@ -155,6 +159,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   Tensor sdS = make_tensor(make_smem_ptr(smem_ds), typename Tr::SmemPdS{});     // (BM, BN)
   Tensor sdSt = make_tensor(make_smem_ptr(smem_ds), typename Tr::SmemPdSt{});   // (BN, BM)
   auto q_buffer = [&](int stage) { return smem_q + stage * Tr::kQSize; };
+  auto do_buffer = [&](int stage) { return smem_do + (Tr::kdOStages == 2 ? stage : 0) * Tr::kQSize; };
   auto lse_buffer = [&](int stage) { return smem_stats + stage * Tr::kStatsSize; };
   auto dsum_buffer = [&](int stage) { return smem_stats + stage * Tr::kStatsSize + kBlockM; };
 
@@ -211,7 +216,6 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   auto ldsm_sdp_b = make_tiled_copy_B(typename Tr::L::LdsmAtom{}, mma_sdp);
   auto ldsm_sdp_a_thr = ldsm_sdp_a.get_thread_slice(tid);
   auto ldsm_sdp_b_thr = ldsm_sdp_b.get_thread_slice(tid);
-  Tensor tdPsdO = ldsm_sdp_a_thr.partition_S(sdO);
   Tensor tSsK = ldsm_sdp_b_thr.partition_S(sK);
   Tensor tdPsV = ldsm_sdp_b_thr.partition_S(sV);
   // (row, col) within a (BM, BN) tile of each S / dP element this thread holds.
@@ -236,7 +240,6 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   auto ldsm_dkv_b_thr = ldsm_dkv_b.get_thread_slice(tid);
   Tensor tdVsPt = ldsm_dkv_a.get_thread_slice(tid).partition_S(sPt);
   Tensor tdKsdSt = ldsm_dkv_a.get_thread_slice(tid).partition_S(sdSt);
-  Tensor tdVsdOt = ldsm_dkv_b_thr.partition_S(sdOt);
   Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});  // (MMA, MMA_N, MMA_D)
   Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
   clear(acc_dk);
@@ -268,7 +271,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
       copy_tile<true>(gmem_load, tKgK, tKsK, tKcK, keys_valid, p.head_dim);
       copy_tile<true>(gmem_load, tVgV, tVsV, tKcK, keys_valid, p.head_dim);
       load_q_tile(p.q, p.q_strides, head_begin, tiles.end - 1, q_buffer(0));
-      load_q_tile(p.dout, p.do_strides, head_begin, tiles.end - 1, smem_do);
+      load_q_tile(p.dout, p.do_strides, head_begin, tiles.end - 1, do_buffer(0));
       load_row_stats(head_begin, tiles.end - 1, 0);
       cp_async_fence();
     }
@@ -292,21 +295,30 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
 
         cp_async_wait<0>();
         __syncthreads();  // Q[m], dO[m] landed; every warp is done with the last step's Z, dS
+        auto load_next_q = [&](int next_stage) {
+          load_q_tile(p.q, p.q_strides, next_head, next_m, q_buffer(next_stage));
+          load_row_stats(next_head, next_m, next_stage);
+        };
+        auto load_next_do = [&](int next_stage) {
+          load_q_tile(p.dout, p.do_strides, next_head, next_m, do_buffer(next_stage));
+        };
         if (Tr::kQStages == 2 && has_next) {
-          load_q_tile(p.q, p.q_strides, next_head, next_m, q_buffer(stage ^ 1));
-          load_row_stats(next_head, next_m, stage ^ 1);
+          load_next_q(stage ^ 1);
+          if (Tr::kdOStages == 2) load_next_do(stage ^ 1);
           cp_async_fence();
         }
 
         // S = Q K^T, dP = dO V^T.
         Tensor sQ = make_tensor(make_smem_ptr(q_buffer(stage)), typename Tr::SmemQ{});  // (BM, hdim)
         Tensor tSsQ = ldsm_sdp_a_thr.partition_S(sQ);
+        Tensor sdO_m = make_tensor(make_smem_ptr(do_buffer(stage)), typename Tr::SmemQ{});   // (BM, hdim)
+        Tensor tdPsdO_m = ldsm_sdp_a_thr.partition_S(sdO_m);
         Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         clear(acc_s);
         gemm_ss_unbuffered(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma_sdp, ldsm_sdp_a, ldsm_sdp_b);
         Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
         clear(acc_dp);
-        gemm_ss_unbuffered(acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, mma_sdp, ldsm_sdp_a, ldsm_sdp_b);
+        gemm_ss_unbuffered(acc_dp, tdPrdO, tdPrV, tdPsdO_m, tdPsV, mma_sdp, ldsm_sdp_a, ldsm_sdp_b);
 
         // S -> Z, dP -> dS; both to shared memory for the transposed GEMMs.
         dscore.template apply<decltype(masked)::value, Tr::kScoreMod>(acc_s, acc_dp, tScS, keep,
@@ -318,11 +330,13 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
         copy(smem_store_sdp, smem_store_sdp_thr.retile_S(rdS), tdSsdS);
         __syncthreads();  // Z, dS complete
 
-        // dV += Z^T dO: the last use of dO[m], so its next tile can load under dQ and dK.
-        gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, mma_dkv, ldsm_dkv_a, ldsm_dkv_b);
-        __syncthreads();  // every warp is done with dO[m]
-        if (has_next) {
-          load_q_tile(p.dout, p.do_strides, next_head, next_m, smem_do);
+        // dV += Z^T dO.
+        Tensor sdOt_m = make_tensor(make_smem_ptr(do_buffer(stage)), typename Tr::SmemQt{});  // (hdim, BM)
+        Tensor tdVsdOt_m = ldsm_dkv_b_thr.partition_S(sdOt_m);
+        gemm_ss(acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt_m, mma_dkv, ldsm_dkv_a, ldsm_dkv_b);
+        if (Tr::kQStages == 2 && Tr::kdOStages == 1 && has_next) {
+          __syncthreads();  // every warp is done with dO[m], the only dO buffer
+          load_next_do(0);
           cp_async_fence();
         }
 
@@ -344,9 +358,9 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
         Tensor tdKsQt = ldsm_dkv_b_thr.partition_S(sQt);
         gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, ldsm_dkv_a, ldsm_dkv_b);
         if (Tr::kQStages == 1 && has_next) {
-          __syncthreads();  // every warp is done with Q[m], the only Q buffer
-          load_q_tile(p.q, p.q_strides, next_head, next_m, q_buffer(0));
-          load_row_stats(next_head, next_m, 0);
+          __syncthreads();  // every warp is done with Q[m] and dO[m], the only buffers
+          load_next_q(0);
+          load_next_do(0);
           cp_async_fence();
         }
         if (Tr::kQStages == 2) stage ^= 1;
