@@ -29,18 +29,18 @@ __host__ __device__ __forceinline__ int64_t dq_frag_offset(int row, int col, int
   return ((int64_t(row / 16) * (kHeadDim / 8) + col / 8) * 32 + lane) * 4;
 }
 
-// acc: an m16n8 accumulator fragment ((2,2), MMA_M, MMA_N) of a (rows, hdim) tile starting at
-// row0; coord: the same partition of an identity tensor. Columns past head_dim (zero padding)
-// are skipped.
+// acc: an m16n8 accumulator fragment ((2,2), MMA_M, MMA_N) of a (rows, cols) tile starting at
+// (row0, col0) of the head's dQ; coord: the same partition of an identity tensor. Columns past
+// head_dim (zero padding) are skipped.
 template <int kHeadDim, class Acc, class Coord>
 __device__ __forceinline__ void dq_atomic_add(float* dq_head, Acc const& acc, Coord const& coord,
-                                              int row0, int head_dim) {
+                                              int row0, int col0, int head_dim) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int m = 0; m < size<1>(acc); ++m) {
 #pragma unroll
     for (int n = 0; n < size<2>(acc); ++n) {
-      const int row = row0 + get<0>(coord(0, m, n)), col = get<1>(coord(0, m, n));
+      const int row = row0 + get<0>(coord(0, m, n)), col = col0 + get<1>(coord(0, m, n));
       float* dst = dq_head + dq_frag_offset<kHeadDim>(row, col, lane);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       // A predicated reduction, not atomicAdd(float4*): that one is an ATOMG whose (unused)

@@ -62,6 +62,16 @@ struct BwdTraits {
       Tile<Int<16 * kSdPWarpsM>, Layout<Shape<_8, Int<kSdPWarpsN>, _2>, Stride<_1, _16, _8>>, _16>>;
   using TiledMmadKV = typename L::template TiledMma<Table::kdKVWarpsN, kWarps / Table::kdKVWarpsN>;
   using TiledMmadQ = typename L::template TiledMma<Table::kdQWarpsM, kWarps / Table::kdQWarpsM>;
+  // dQ = dS K in kdQChunks column chunks of kdQCols, one accumulator live at a time. A chunk of
+  // K^T is the (kdQCols, kBlockN) layout of that head dim at an offset: both tile 64-column
+  // swizzle atoms the same way, and the offset (a multiple of kBlockN * 64) leaves the
+  // swizzled address bits alone.
+  static constexpr int kdQChunks = Table::kdQChunks;
+  static constexpr int kdQCols = kHeadDim / kdQChunks;
+  using LdQ = Layouts<Element, kdQCols>;
+  static_assert(kdQChunks == 1 || (LdQ::kBlockK == 64 && L::kBlockK == 64));
+  using SmemKVtdQ = typename LdQ::template SmemTransposed<kBlockN>;
+  using SmemKVtdQNoSwizzle = typename LdQ::template SmemTransposedNoSwizzle<kBlockN>;
 
   using SmemQ = typename L::template Smem<kBlockM>;  // (kBlockM, hdim): Q, dO
   using SmemQt = typename L::template SmemTransposed<kBlockM>;
@@ -249,12 +259,12 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);                   // (MMA, MMA_M, MMA_K)
   Tensor tdQrKt = thr_dq.partition_fragment_B(
-      make_tensor(sKt.data(), typename Tr::SmemKVtNoSwizzle{}));      // (MMA, MMA_D, MMA_K)
+      make_tensor(sKt.data(), typename Tr::SmemKVtdQNoSwizzle{}));    // (MMA, MMA_D, MMA_K)
   auto ldsm_dq_a = make_tiled_copy_A(typename Tr::L::LdsmAtom{}, mma_dq);
   auto ldsm_dq_b = make_tiled_copy_B(typename Tr::L::LdsmTransposedAtom{}, mma_dq);
   Tensor tdQsdS = ldsm_dq_a.get_thread_slice(tid).partition_S(sdS);
-  Tensor tdQsKt = ldsm_dq_b.get_thread_slice(tid).partition_S(sKt);
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  auto ldsm_dq_b_thr = ldsm_dq_b.get_thread_slice(tid);
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kdQCols>>{}));
 
   PhiloxKey philox{};
   if constexpr (Tr::kDropout) philox = philox_key(p.philox);
@@ -342,15 +352,21 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
 
         // dQ_m += dS K (softmax_scale applied at conversion), added before dK's GEMM so the
         // reductions drain under it and the dQ fragment is dead by then.
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
-        clear(acc_dq);
-        gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, ldsm_dq_a, ldsm_dq_b);
         int* counter = nullptr;
-        if (dq_counters != nullptr) {
-          counter = dq_counters + bh * counters_per_head + m_block;
-          DqTurn::wait(counter, n_block - first_key_tile_of<kBlockM, kBlockN>(mask, m_block, n_block));
+#pragma unroll
+        for (int c = 0; c < Tr::kdQChunks; ++c) {
+          Tensor sKt_c = make_tensor(make_smem_ptr(smem_k + c * kBlockN * Tr::kdQCols),
+                                     typename Tr::SmemKVtdQ{});  // (kdQCols, BN)
+          Tensor tdQsKt = ldsm_dq_b_thr.partition_S(sKt_c);
+          Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kdQCols>>{});  // (MMA, MMA_M, MMA_D)
+          clear(acc_dq);
+          gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, ldsm_dq_a, ldsm_dq_b);
+          if (c == 0 && dq_counters != nullptr) {
+            counter = dq_counters + bh * counters_per_head + m_block;
+            DqTurn::wait(counter, n_block - first_key_tile_of<kBlockM, kBlockN>(mask, m_block, n_block));
+          }
+          dq_atomic_add<kHeadDim>(dq_head, acc_dq, tdQcdQ, row0, c * Tr::kdQCols, p.head_dim);
         }
-        dq_atomic_add<kHeadDim>(dq_head, acc_dq, tdQcdQ, row0, p.head_dim);
         if (counter != nullptr) DqTurn::pass(counter);
 
         // dK += dS^T Q.

@@ -34,15 +34,16 @@ template <> struct FwdTile<256> { static constexpr int kBlockM = 128, kBlockN = 
 // kdKVWarpsN along N; dQ (kBlockM x hdim) kdQWarpsM along M. Shared memory holds Q (with
 // its rows' lse and D) in two buffers, dO in kdOStages, K, V, P and dS (size on each row);
 // sm80 allows 163 KB, sm90 227 KB. A second dO buffer saves a barrier per step: measured on an
-// H100, +2-3% at hdim 128, -1% at hdim 64, -12% at hdim 256.
+// H100, +2-3% at hdim 128, -1% at hdim 64, -12% at hdim 256. kdQChunks: dQ = dS K in that
+// many column chunks, so its accumulator takes 1 / kdQChunks of the registers.
 template <int kHeadDim> struct BwdTile;
-//                                     kBlockM      kBlockN      kWarps     kSdPWarpsM     kdKVWarpsN     kdQWarpsM     kdOStages   limit
-template <> struct BwdTile<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 4, kdQWarpsM = 4, kdOStages = 1; };  // S + dP registers (128); smem 106 KB
-template <> struct BwdTile<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 4, kdQWarpsM = 4, kdOStages = 1; };  // S + dP 128 + dK, dV 64 registers; smem 146 KB
-template <> struct BwdTile<96>  { static constexpr int kBlockM = 64,  kBlockN = 128, kWarps = 8, kSdPWarpsM = 2, kdKVWarpsN = 4, kdQWarpsM = 4, kdOStages = 2; };  // dK, dV 96 + S + dP 64 registers; smem 129 KB
-template <> struct BwdTile<128> { static constexpr int kBlockM = 64,  kBlockN = 128, kWarps = 8, kSdPWarpsM = 2, kdKVWarpsN = 4, kdQWarpsM = 2, kdOStages = 2; };  // dK, dV 128 + S + dP 64 registers; smem 161 KB
-template <> struct BwdTile<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 2, kdQWarpsM = 2, kdOStages = 1; };  // dK, dV 96 + dQ 48 registers; smem 137 KB
-template <> struct BwdTile<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 2, kdQWarpsM = 2, kdOStages = 1; };  // dK, dV 128 + dQ 64 registers; smem 177 KB (145 KB with one Q buffer: sm80)
+//                                     kBlockM      kBlockN      kWarps     kSdPWarpsM     kdKVWarpsN     kdQWarpsM     kdOStages     kdQChunks   limit
+template <> struct BwdTile<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 4, kdQWarpsM = 4, kdOStages = 1, kdQChunks = 1; };  // S + dP registers (128); smem 106 KB
+template <> struct BwdTile<64>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 4, kdQWarpsM = 4, kdOStages = 1, kdQChunks = 1; };  // S + dP 128 + dK, dV 64 registers; smem 146 KB
+template <> struct BwdTile<96>  { static constexpr int kBlockM = 64,  kBlockN = 128, kWarps = 8, kSdPWarpsM = 2, kdKVWarpsN = 4, kdQWarpsM = 4, kdOStages = 2, kdQChunks = 1; };  // dK, dV 96 + S + dP 64 registers; smem 129 KB
+template <> struct BwdTile<128> { static constexpr int kBlockM = 64,  kBlockN = 128, kWarps = 8, kSdPWarpsM = 2, kdKVWarpsN = 4, kdQWarpsM = 2, kdOStages = 2, kdQChunks = 1; };  // dK, dV 128 + S + dP 64 registers; smem 161 KB
+template <> struct BwdTile<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 2, kdQWarpsM = 2, kdOStages = 1, kdQChunks = 1; };  // dK, dV 96 + dQ 48 registers; smem 137 KB
+template <> struct BwdTile<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 2, kdQWarpsM = 2, kdOStages = 1, kdQChunks = 2; };  // dK, dV 128 + dQ 2 x 32 registers; smem 177 KB (145 KB with one Q buffer: sm80)
 
 // ---- layouts shared by forward and backward -------------------------------------------------
 
