@@ -30,32 +30,35 @@ __host__ __device__ __forceinline__ int64_t dq_frag_offset(int row, int col, int
 }
 
 // acc: an m16n8 accumulator fragment ((2,2), MMA_M, MMA_N) of a (rows, cols) tile starting at
-// (row0, col0) of the head's dQ; coord: the same partition of an identity tensor. Columns past
-// head_dim (zero padding) are skipped.
+// (row0, col0) of the head's dQ, row0 a multiple of 16 and col0 of 8; coord: the same partition
+// of an identity tensor.
+// Columns past head_dim are added too: the buffer is kHeadDim wide and the convert kernel never
+// reads them, so no predicate. (A predicated red costs a BSSY/BRA/BSYNC region per fragment in
+// ptxas's output, which is most of the dQ epilogue's issue slots at hdim 256.)
+// A lane's first fragment sits at row g + 16i, column 2t + 8j, and fragment (m, n) a multiple
+// of 16 rows and 8 columns further: its address is the lane's base plus a compile-time offset
+// (the red's immediate), not a fresh fragment-order index each time.
 template <int kHeadDim, class Acc, class Coord>
 __device__ __forceinline__ void dq_atomic_add(float* dq_head, Acc const& acc, Coord const& coord,
-                                              int row0, int col0, int head_dim) {
+                                              int row0, int col0) {
   const int lane = threadIdx.x % 32;
+  const int r0 = get<0>(coord(0, 0, 0)), c0 = get<1>(coord(0, 0, 0));
+  float* base = dq_head + dq_frag_offset<kHeadDim>(row0 + r0, col0 + c0, lane);
 #pragma unroll
   for (int m = 0; m < size<1>(acc); ++m) {
 #pragma unroll
     for (int n = 0; n < size<2>(acc); ++n) {
-      const int row = row0 + get<0>(coord(0, m, n)), col = col0 + get<1>(coord(0, m, n));
-      float* dst = dq_head + dq_frag_offset<kHeadDim>(row, col, lane);
+      const int dr = get<0>(coord(0, m, n)) - r0, dc = get<1>(coord(0, m, n)) - c0;
+      float* dst = base + (dr / 16 * (kHeadDim / 8) + dc / 8) * 32 * 4;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      // A predicated reduction, not atomicAdd(float4*): that one is an ATOMG whose (unused)
-      // result and branch around it cost more than the add.
-      asm volatile(
-          "{\n .reg .pred p;\n setp.lt.s32 p, %5, %6;\n"
-          " @p red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(dst),
-          "f"(acc(0, m, n)), "f"(acc(1, m, n)), "f"(acc(2, m, n)), "f"(acc(3, m, n)), "r"(col),
-          "r"(head_dim)
-          : "memory");
+      // A reduction, not atomicAdd(float4*): that one is an ATOMG whose (unused) result and
+      // branch around it cost more than the add.
+      asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(acc(0, m, n)),
+                   "f"(acc(1, m, n)), "f"(acc(2, m, n)), "f"(acc(3, m, n))
+                   : "memory");
 #else
-      if (col < head_dim) {
 #pragma unroll
-        for (int v = 0; v < 4; ++v) atomicAdd(dst + v, acc(v, m, n));
-      }
+      for (int v = 0; v < 4; ++v) atomicAdd(dst + v, acc(v, m, n));
 #endif
     }
   }

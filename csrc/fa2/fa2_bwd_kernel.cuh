@@ -365,7 +365,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
             counter = dq_counters + bh * counters_per_head + m_block;
             DqTurn::wait(counter, n_block - first_key_tile_of<kBlockM, kBlockN>(mask, m_block, n_block));
           }
-          dq_atomic_add<kHeadDim>(dq_head, acc_dq, tdQcdQ, row0, c * Tr::kdQCols, p.head_dim);
+          dq_atomic_add<kHeadDim>(dq_head, acc_dq, tdQcdQ, row0, c * Tr::kdQCols);
         }
         if (counter != nullptr) DqTurn::pass(counter);
 
