@@ -22,10 +22,6 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   if (Tr::kSmemBytes > 48 * 1024) {
     FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Tr::kSmemBytes));
-    // All of the unified L1 as shared memory: the tiles are sized for 2 blocks per SM at up to
-    // 113 KB each (the kernels read global memory through cp.async, which bypasses L1).
-    FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          int(cudaSharedmemCarveoutMaxShared)));
   }
   kernel<<<order.grid(), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, order);
   FLASH_CHECK_LAUNCH();
