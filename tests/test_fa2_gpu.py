@@ -134,6 +134,15 @@ def test_seqlens(sq, sk, d, causal, dtype):
     run_case(2, sq, sk, 4, 4, d, dtype, dict(causal=causal))
 
 
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_tile_order_partial_last_group(causal):
+    """Blocks take (tile, head) items in groups of heads sized to fill the GPU once
+    (fa2_tile_order.h). At 4k with 22 heads, on a 132-SM H100, the forward's groups are 9 heads
+    (264 resident blocks / 32 query tiles) and the backward's 5 (132 / 32 key tiles): neither
+    divides 22, so the last group is partial and every item decodes through both divisors."""
+    run_case(2, 4096, 4096, 11, 11, 64, torch.bfloat16, dict(causal=causal))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("h,hk,d", [(6, 2, 64), (7, 1, 128)], ids=["gqa6-2-d64", "mqa7-1-d128"])

@@ -426,10 +426,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_kernel(const __grid_const
   // first key tiles have the most query tiles. The deterministic dQ order relies on key tile
   // n - 1 of a head starting before key tile n (fa2_bwd_dq.h), which TileOrder keeps.
   for (int64_t item = blockIdx.x; item < order.items(); item += gridDim.x) {
-    int n_block;
-    int64_t bhk;
-    order.decode(item, n_block, bhk);
-    bwd_key_tile<Tr>(p, smem, n_block, int(bhk / p.heads_k), int(bhk % p.heads_k));
+    const WorkItem w = order.decode(item);  // its heads are KV heads
+    bwd_key_tile<Tr>(p, smem, w.tile, w.batch, w.head);
     __syncthreads();  // the next tile's loads overwrite shared memory
   }
 #endif

@@ -22,10 +22,12 @@ void launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
   const int64_t q_bytes = int64_t(p.seqlen_q) * Tr::kHeadDim *
                           (2 * sizeof(typename Tr::Element) + sizeof(float)) *
                           (p.heads / p.heads_k);
-  const TileOrder order = tile_order(n_blocks, int64_t(p.batch) * p.heads_k, q_bytes, p.l2_bytes);
   auto kernel = bwd_kernel<Tr>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
+  const TileOrder order =
+      tile_order(n_blocks, p.batch, p.heads_k, 1, q_bytes, p.l2_bytes,
+                 resident_blocks(kernel, Tr::kThreads, Tr::kSmemBytes, p.num_sms));
   kernel<<<order.grid(), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, order);
   FLASH_CHECK_LAUNCH();
 }

@@ -56,12 +56,11 @@ struct FwdTraits {
 
 template <class Tr>
 __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_block, int batch,
-                                         int head) {
+                                         int head, int head_k) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   const int tid = threadIdx.x;
   const int row0 = m_block * kBlockM;
-  const int head_k = head / (p.heads / p.heads_k);
 
   const Mask mask(p);
   const KeyTiles tiles = mask.key_tiles<kBlockM, kBlockN>(row0);
@@ -258,11 +257,9 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(128) char smem[];
   for (int64_t item = blockIdx.x; item < order.items(); item += gridDim.x) {
-    int tile;
-    int64_t bh;
-    order.decode(item, tile, bh);
+    const WorkItem w = order.decode(item);
     // Tile 0 is the last query tile: under a causal mask, the one with the most keys.
-    fwd_tile<Tr>(p, smem, order.tiles - 1 - tile, int(bh / p.heads), int(bh % p.heads));
+    fwd_tile<Tr>(p, smem, order.tiles - 1 - w.tile, w.batch, w.head, w.head_k);
     __syncthreads();  // the next tile's loads overwrite shared memory
   }
   if constexpr (Tr::kDropout) {

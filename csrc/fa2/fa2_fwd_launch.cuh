@@ -16,13 +16,14 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   // A query tile reads its KV head's K and V, shared by heads / heads_k query heads.
   const int64_t kv_bytes = int64_t(p.seqlen_k) * Tr::kHeadDim * 2 * sizeof(typename Tr::Element);
-  const TileOrder order = tile_order(m_blocks, int64_t(p.batch) * p.heads,
-                                     kv_bytes / (p.heads / p.heads_k), p.l2_bytes);
   auto kernel = fwd_kernel<Tr>;
   if (Tr::kSmemBytes > 48 * 1024) {
     FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Tr::kSmemBytes));
   }
+  const TileOrder order =
+      tile_order(m_blocks, p.batch, p.heads, p.heads / p.heads_k, kv_bytes / (p.heads / p.heads_k),
+                 p.l2_bytes, resident_blocks(kernel, Tr::kThreads, Tr::kSmemBytes, p.num_sms));
   kernel<<<order.grid(), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, order);
   FLASH_CHECK_LAUNCH();
 }
