@@ -14,7 +14,8 @@ namespace flash::fa2 {
 template <class Tr>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
-  // A query tile reads its KV head's K and V, shared by heads / heads_k query heads.
+  // A query tile reads its KV head's K and V, shared by heads_per_kv query heads.
+  const int heads_per_kv = p.heads / p.heads_k;
   const int64_t kv_bytes = int64_t(p.seqlen_k) * Tr::kHeadDim * 2 * sizeof(typename Tr::Element);
   auto kernel = fwd_kernel<Tr>;
   if (Tr::kSmemBytes > 48 * 1024) {
@@ -22,8 +23,8 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
                                           Tr::kSmemBytes));
   }
   const TileOrder order =
-      tile_order(m_blocks, p.batch, p.heads, p.heads / p.heads_k, kv_bytes / (p.heads / p.heads_k),
-                 p.l2_bytes, resident_blocks(kernel, Tr::kThreads, Tr::kSmemBytes, p.num_sms));
+      tile_order(m_blocks, p.batch, p.heads, heads_per_kv, kv_bytes / heads_per_kv, p.l2_bytes,
+                 resident_blocks(kernel, Tr::kThreads, Tr::kSmemBytes, p.num_sms));
   kernel<<<order.grid(), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, order);
   FLASH_CHECK_LAUNCH();
 }
