@@ -137,9 +137,10 @@ def test_seqlens(sq, sk, d, causal, dtype):
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_tile_order_partial_last_group(causal):
     """Blocks take (tile, head) items in groups of heads sized to fill the GPU once
-    (fa2_tile_order.h). At 4k with 22 heads, on a 132-SM H100, the forward's groups are 9 heads
-    (264 resident blocks / 32 query tiles) and the backward's 5 (132 / 32 key tiles): neither
-    divides 22, so the last group is partial and every item decodes through both divisors."""
+    (fa2_tile_order.h). At 4k with 2 x 11 = 22 (batch, head) pairs, on a 132-SM H100, the
+    forward's groups are 9 heads (264 resident blocks / 32 query tiles) and the backward's 5
+    (132 / 32 key tiles): neither divides 22, so the last group is partial and every item
+    decodes through both divisors."""
     run_case(2, 4096, 4096, 11, 11, 64, torch.bfloat16, dict(causal=causal))
 
 
