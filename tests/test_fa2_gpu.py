@@ -443,6 +443,18 @@ def test_deterministic_backward_with_dropout():
             assert torch.equal(g, g0), f"run {run}: d{name} differs bitwise from run 0"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("sq,sk,h,hk,d", [(1023, 1024, 6, 2, 64), (239, 517, 4, 4, 128),
+                                          (300, 300, 2, 2, 192)])
+def test_dq_reds_path(sq, sk, h, hk, d, causal, dtype, monkeypatch):
+    """On sm90 the non-deterministic backward adds dQ tiles with bulk reductions; with
+    FLASH_ATTN_FA2_BWD_DQ_BULK=0 it takes the per-fragment reds (the path of sm80 and of
+    deterministic=True). Both paths must pass the rule."""
+    monkeypatch.setenv("FLASH_ATTN_FA2_BWD_DQ_BULK", "0")
+    run_case(2, sq, sk, h, hk, d, dtype, dict(causal=causal))
+
+
 # ---- 7. fa1 and fa2 on the same inputs --------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -64,6 +64,61 @@ __device__ __forceinline__ void dq_atomic_add(float* dq_head, Acc const& acc, Co
   }
 }
 
+// sm90, non-deterministic mode: a query tile's dQ goes to shared memory in the same fragment
+// order, and one thread adds the whole tile (kBlockM rows: one contiguous range of dq_accum)
+// with a bulk reduction that the copy engine performs. Against the eight 16-byte reds a thread
+// issues per step, the warps only store to shared memory (conflict-free: a warp's 32 lanes
+// write 512 contiguous bytes), no register waits for the LSU to take it, and L2 receives whole
+// lines. The staging buffer is read by the async proxy: each writer fences before the barrier
+// that precedes the bulk copy, and the issuing thread waits for the read before the buffer is
+// written again.
+template <int kHeadDim, class Acc, class Coord>
+__device__ __forceinline__ void dq_stage(float* stage, Acc const& acc, Coord const& coord) {
+  const int lane = threadIdx.x % 32;
+  const int r0 = get<0>(coord(0, 0, 0)), c0 = get<1>(coord(0, 0, 0));
+  float* base = stage + dq_frag_offset<kHeadDim>(r0, c0, lane);
+#pragma unroll
+  for (int m = 0; m < size<1>(acc); ++m) {
+#pragma unroll
+    for (int n = 0; n < size<2>(acc); ++n) {
+      const int dr = get<0>(coord(0, m, n)) - r0, dc = get<1>(coord(0, m, n)) - c0;
+      *reinterpret_cast<float4*>(base + (dr / 16 * (kHeadDim / 8) + dc / 8) * 32 * 4) =
+          make_float4(acc(0, m, n), acc(1, m, n), acc(2, m, n), acc(3, m, n));
+    }
+  }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kHasBulkReduce = true;
+#else
+constexpr bool kHasBulkReduce = false;
+#endif
+
+// Orders this thread's shared-memory stores before a later async-proxy (bulk copy) read.
+__device__ __forceinline__ void fence_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// dst[0 .. bytes) += src[0 .. bytes), fp32, as one bulk async-group (bytes a multiple of 16,
+// both 16-byte aligned).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(src));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;" ::"l"(dst), "r"(s), "r"(bytes)
+               : "memory");
+#endif
+}
+
+// Waits until the bulk copies this thread issued have read their shared-memory source.
+__device__ __forceinline__ void bulk_wait_read() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#endif
+}
+
 // Turn-taking on one counter of the deterministic mode. All threads of the block call both.
 struct DqTurn {
   __device__ static void wait(const int* counter, int turn) {

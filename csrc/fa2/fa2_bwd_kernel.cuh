@@ -100,6 +100,11 @@ struct BwdTraits {
   static constexpr int kSmemBytes =
       int(sizeof(Element)) * ((kQStages + kdOStages) * kQSize + 2 * kKVSize + 2 * kPdSSize) +
       kQStages * kStatsSize * int(sizeof(float));
+  // sm90 bulk dQ (fa2_bwd_dq.h): a (kBlockM, hdim) fp32 staging tile after the rest, added to
+  // kSmemBytes by the launcher when it takes that path. With dQ in column chunks it would need
+  // a tile per chunk (hdim 256: 64 KB more, past sm90's 227 KB), so those keep the reds.
+  static constexpr bool kBulkdQ = kdQChunks == 1;
+  static constexpr int kdQStageBytes = kBulkdQ ? kBlockM * kHeadDim * int(sizeof(float)) : 0;
 };
 
 // 4-byte cp.async; src_bytes = 0 writes a zero instead of reading.
@@ -157,6 +162,12 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   Element* smem_p = smem_v + Tr::kKVSize;
   Element* smem_ds = smem_p + Tr::kPdSSize;
   float* smem_stats = reinterpret_cast<float*>(smem_ds + Tr::kPdSSize);  // kQStages x (lse, D)
+  float* smem_dq = smem_stats + Tr::kQStages * Tr::kStatsSize;  // bulk dQ staging, if taken
+  // Bulk dQ: the tile staged in the last step, added by thread 0 after the next barrier (the
+  // step's first, or the epilogue's). Only thread 0 reads or writes it.
+  __shared__ float* dq_pending;
+  const bool bulk_dq = kHasBulkReduce && Tr::kBulkdQ && p.dq_bulk;
+  if (bulk_dq && tid == 0) dq_pending = nullptr;
   // Stage 0 of dO: the layouts the register fragments are shaped from (each step partitions
   // its own stage).
   Tensor sdO = make_tensor(make_smem_ptr(smem_do), typename Tr::SmemQ{});       // (BM, hdim)
@@ -305,6 +316,10 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
 
         cp_async_wait<0>();
         __syncthreads();  // Q[m], dO[m] landed; every warp is done with the last step's Z, dS
+                          // (bulk dQ: and has staged and fenced the last step's dQ)
+        if (bulk_dq && tid == 0 && dq_pending != nullptr) {
+          bulk_reduce_add(dq_pending, smem_dq, Tr::kdQStageBytes);
+        }
         auto load_next_q = [&](int next_stage) {
           load_q_tile(p.q, p.q_strides, next_head, next_m, q_buffer(next_stage));
           load_row_stats(next_head, next_m, next_stage);
@@ -338,6 +353,9 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
         Tensor rdS = convert_fragment<Element>(acc_dp);
         copy(smem_store_sdp, smem_store_sdp_thr.retile_S(rZ), tPsP);
         copy(smem_store_sdp, smem_store_sdp_thr.retile_S(rdS), tdSsdS);
+        // Bulk dQ: the staging tile is written after this barrier; the reduction issued at the
+        // step's start has had the S and dP GEMMs to read it.
+        if (bulk_dq && tid == 0) bulk_wait_read();
         __syncthreads();  // Z, dS complete
 
         // dV += Z^T dO.
@@ -364,6 +382,12 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
           Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kdQCols>>{});  // (MMA, MMA_M, MMA_D)
           clear(acc_dq);
           gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, ldsm_dq_a, ldsm_dq_b);
+          if (bulk_dq) {
+            dq_stage<kHeadDim>(smem_dq, acc_dq, tdQcdQ);
+            fence_async_shared();
+            if (tid == 0) dq_pending = dq_head + int64_t(row0) * kHeadDim;  // the tile's range
+            continue;
+          }
           if (c == 0 && dq_counters != nullptr) {
             counter = dq_counters + bh * counters_per_head + m_block;
             DqTurn::wait(counter, n_block - first_key_tile_of<kBlockM, kBlockN>(mask, m_block, n_block));
@@ -394,7 +418,13 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   }
 
   // ---- epilogue: dK, dV through shared memory (K, V are dead) into the output ---------------
-  __syncthreads();  // every warp is done with K, V
+  __syncthreads();  // every warp is done with K, V (and has staged the last dQ tile)
+  if (bulk_dq && tid == 0 && dq_pending != nullptr) {
+    // The last tile's add; the staging buffer must be read before the next work item writes
+    // it. (Its writes to global memory complete before the grid does.)
+    bulk_reduce_add(dq_pending, smem_dq, Tr::kdQStageBytes);
+    bulk_wait_read();
+  }
 #pragma unroll
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
   Tensor rdK = convert_fragment<Element>(acc_dk);

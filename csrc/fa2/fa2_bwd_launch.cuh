@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -15,20 +16,34 @@
 
 namespace flash::fa2 {
 
+// Whether the sm90 bulk dQ path (fa2_bwd_dq.h) may be taken: FLASH_ATTN_FA2_BWD_DQ_BULK=0
+// turns it off, for A/B benchmarks and for the tests of the reds. Read at every call (a
+// getenv next to a kernel launch), so one process can compare both.
+inline bool bulk_dq_allowed() {
+  const char* env = std::getenv("FLASH_ATTN_FA2_BWD_DQ_BULK");
+  return env == nullptr || std::atoi(env) != 0;
+}
+
 template <class Tr>
-void launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
+void launch_bwd_main(const BwdParams& params, int max_smem, cudaStream_t stream) {
+  BwdParams p = params;
   const int n_blocks = int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN);
   // A key tile walks Q, dO (and adds into dQ, fp32) of every query head of its KV head.
   const int64_t q_bytes = int64_t(p.seqlen_q) * Tr::kHeadDim *
                           (2 * sizeof(typename Tr::Element) + sizeof(float)) *
                           (p.heads / p.heads_k);
+  // The deterministic mode's turns need each add complete before the next block's; the reds
+  // give that, so it keeps them.
+  p.dq_bulk = Tr::kBulkdQ && p.arch >= 90 && !p.deterministic && bulk_dq_allowed() &&
+              Tr::kSmemBytes + Tr::kdQStageBytes <= max_smem;
+  const int smem_bytes = Tr::kSmemBytes + (p.dq_bulk ? Tr::kdQStageBytes : 0);
   auto kernel = bwd_kernel<Tr>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        Tr::kSmemBytes));
+                                        smem_bytes));
   const TileOrder order =
       tile_order(n_blocks, p.batch, p.heads_k, 1, q_bytes, p.l2_bytes,
-                 resident_blocks(kernel, Tr::kThreads, Tr::kSmemBytes, p.num_sms));
-  kernel<<<order.grid(), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, order);
+                 resident_blocks(kernel, Tr::kThreads, smem_bytes, p.num_sms));
+  kernel<<<order.grid(), Tr::kThreads, smem_bytes, stream>>>(p, order);
   FLASH_CHECK_LAUNCH();
 }
 
@@ -36,20 +51,20 @@ void launch_bwd_main(const BwdParams& p, cudaStream_t stream) {
 // registers, and the loop's instruction footprint, that the plain kernel should not carry.
 // Everything else (mask, window, GQA, determinism) is a runtime field.
 template <typename T, int kHeadDim, int kQStages, bool kDropout>
-void launch_bwd_mod_variant(const BwdParams& p, cudaStream_t stream) {
+void launch_bwd_mod_variant(const BwdParams& p, int max_smem, cudaStream_t stream) {
   if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
-    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, true>>(p, stream);
+    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, true>>(p, max_smem, stream);
   } else {
-    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, false>>(p, stream);
+    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, false>>(p, max_smem, stream);
   }
 }
 
 template <typename T, int kHeadDim, int kQStages>
-void launch_bwd_variant(const BwdParams& p, cudaStream_t stream) {
+void launch_bwd_variant(const BwdParams& p, int max_smem, cudaStream_t stream) {
   if (p.dropout_p > 0.f) {
-    launch_bwd_mod_variant<T, kHeadDim, kQStages, true>(p, stream);
+    launch_bwd_mod_variant<T, kHeadDim, kQStages, true>(p, max_smem, stream);
   } else {
-    launch_bwd_mod_variant<T, kHeadDim, kQStages, false>(p, stream);
+    launch_bwd_mod_variant<T, kHeadDim, kQStages, false>(p, max_smem, stream);
   }
 }
 
@@ -82,7 +97,7 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   constexpr int kSmemTwo = BwdTraits<T, kHeadDim, 2, false, false>::kSmemBytes;
   constexpr int kSmemOne = BwdTraits<T, kHeadDim, 1, false, false>::kSmemBytes;
   if (kSmemTwo <= max_smem) {
-    launch_bwd_variant<T, kHeadDim, 2>(p, stream);
+    launch_bwd_variant<T, kHeadDim, 2>(p, max_smem, stream);
   } else if constexpr (kSmemTwo > kSm80SmemBytes) {
     if (kSmemOne > max_smem) {
       throw std::runtime_error("flash_attn fa2: the backward for head dim " +
@@ -90,7 +105,7 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
                                " bytes of shared memory per block; this GPU allows " +
                                std::to_string(max_smem));
     }
-    launch_bwd_variant<T, kHeadDim, 1>(p, stream);
+    launch_bwd_variant<T, kHeadDim, 1>(p, max_smem, stream);
   } else {
     throw std::runtime_error("flash_attn fa2: the backward for head dim " +
                              std::to_string(kHeadDim) + " needs " + std::to_string(kSmemTwo) +
