@@ -91,8 +91,7 @@ struct BwdParams : FwdParams {
   float* dsum = nullptr;       // D = rowsum(dO * O), (b, h, seqlen_q_rounded), fp32
   float* dq_accum = nullptr;   // dQ in fp32, accumulated across K/V blocks
   bool deterministic = false;  // one writer per dQ element, in a fixed order
-  int dq_bulk = 0;             // FA2, sm90: dQ added by bulk reductions, 1: one per tile, 2: per
-                               // warp fragment (launcher's choice); 0: reds
+  bool dq_bulk = false;        // FA2, sm90: dQ tiles added by bulk reductions (launcher's choice)
 };
 
 }  // namespace flash

@@ -119,41 +119,6 @@ __device__ __forceinline__ void bulk_wait_read() {
 #endif
 }
 
-// Per-warp variant: a warp stages its own fragments, (MMA_M, MMA_N, 32 lanes, 4) fp32 from
-// stage, and its lane 0 adds each 512-byte fragment where dq_frag_offset puts it; no barrier
-// of the block is involved.
-template <int kHeadDim, class Acc, class Coord>
-__device__ __forceinline__ void dq_warp_bulk_add(float* dq_head, float* stage, Acc const& acc,
-                                                 Coord const& coord, int row0, int col0) {
-  const int lane = threadIdx.x % 32;
-  constexpr int kM = decltype(size<1>(acc))::value, kN = decltype(size<2>(acc))::value;
-  // The last bulk reads of this warp's staging (previous chunk or step) must be done.
-  if (lane == 0) bulk_wait_read();
-  __syncwarp();
-#pragma unroll
-  for (int m = 0; m < kM; ++m) {
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      *reinterpret_cast<float4*>(stage + ((m * kN + n) * 32 + lane) * 4) =
-          make_float4(acc(0, m, n), acc(1, m, n), acc(2, m, n), acc(3, m, n));
-    }
-  }
-  fence_async_shared();
-  __syncwarp();
-  if (lane == 0) {
-#pragma unroll
-    for (int m = 0; m < kM; ++m) {
-#pragma unroll
-      for (int n = 0; n < kN; ++n) {
-        // Lane 0 holds element (0, 0) of each fragment: its (row, col) is the fragment's base.
-        float* dst = dq_head + dq_frag_offset<kHeadDim>(row0 + get<0>(coord(0, m, n)),
-                                                        col0 + get<1>(coord(0, m, n)), 0);
-        bulk_reduce_add(dst, stage + (m * kN + n) * 32 * 4, 32 * 4 * int(sizeof(float)));
-      }
-    }
-  }
-}
-
 // Turn-taking on one counter of the deterministic mode. All threads of the block call both.
 struct DqTurn {
   __device__ static void wait(const int* counter, int turn) {

@@ -104,7 +104,7 @@ struct BwdTraits {
   // kSmemBytes by the launcher when it takes that path. With dQ in column chunks it would need
   // a tile per chunk (hdim 256: 64 KB more, past sm90's 227 KB), so those keep the reds.
   static constexpr bool kBulkdQ = kdQChunks == 1;
-  static constexpr int kdQStageBytes = kBlockM * kdQCols * int(sizeof(float));
+  static constexpr int kdQStageBytes = kBulkdQ ? kBlockM * kHeadDim * int(sizeof(float)) : 0;
 };
 
 // 4-byte cp.async; src_bytes = 0 writes a zero instead of reading.
@@ -166,9 +166,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   // Bulk dQ: the tile staged in the last step, added by thread 0 after the next barrier (the
   // step's first, or the epilogue's). Only thread 0 reads or writes it.
   __shared__ float* dq_pending;
-  const bool bulk_dq = kHasBulkReduce && Tr::kBulkdQ && p.dq_bulk == 1;
-  const bool warp_bulk_dq = kHasBulkReduce && p.dq_bulk == 2;
-  float* const warp_stage = smem_dq + (tid / 32) * (kBlockM * Tr::kdQCols / Tr::kWarps);
+  const bool bulk_dq = kHasBulkReduce && Tr::kBulkdQ && p.dq_bulk;
   if (bulk_dq && tid == 0) dq_pending = nullptr;
   // Stage 0 of dO: the layouts the register fragments are shaped from (each step partitions
   // its own stage).
@@ -390,10 +388,6 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
             if (tid == 0) dq_pending = dq_head + int64_t(row0) * kHeadDim;  // the tile's range
             continue;
           }
-          if (warp_bulk_dq) {
-            dq_warp_bulk_add<kHeadDim>(dq_head, warp_stage, acc_dq, tdQcdQ, row0, c * Tr::kdQCols);
-            continue;
-          }
           if (c == 0 && dq_counters != nullptr) {
             counter = dq_counters + bh * counters_per_head + m_block;
             DqTurn::wait(counter, n_block - first_key_tile_of<kBlockM, kBlockN>(mask, m_block, n_block));
@@ -431,7 +425,6 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
     bulk_reduce_add(dq_pending, smem_dq, Tr::kdQStageBytes);
     bulk_wait_read();
   }
-  if (warp_bulk_dq && tid % 32 == 0) bulk_wait_read();  // the staging outlives no read
 #pragma unroll
   for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.softmax_scale;
   Tensor rdK = convert_fragment<Element>(acc_dk);

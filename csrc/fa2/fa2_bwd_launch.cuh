@@ -19,9 +19,9 @@ namespace flash::fa2 {
 // Whether the sm90 bulk dQ path (fa2_bwd_dq.h) may be taken: FLASH_ATTN_FA2_BWD_DQ_BULK=0
 // turns it off, for A/B benchmarks and for the tests of the reds. Read at every call (a
 // getenv next to a kernel launch), so one process can compare both.
-inline int bulk_dq_mode() {
+inline bool bulk_dq_allowed() {
   const char* env = std::getenv("FLASH_ATTN_FA2_BWD_DQ_BULK");
-  return env == nullptr ? 1 : std::atoi(env);
+  return env == nullptr || std::atoi(env) != 0;
 }
 
 template <class Tr>
@@ -34,10 +34,8 @@ void launch_bwd_main(const BwdParams& params, int max_smem, cudaStream_t stream)
                           (p.heads / p.heads_k);
   // The deterministic mode's turns need each add complete before the next block's; the reds
   // give that, so it keeps them.
-  const int mode = bulk_dq_mode();
-  p.dq_bulk = p.arch >= 90 && !p.deterministic && Tr::kSmemBytes + Tr::kdQStageBytes <= max_smem
-                  ? (mode == 1 && Tr::kBulkdQ ? 1 : mode == 2 ? 2 : 0)
-                  : 0;
+  p.dq_bulk = Tr::kBulkdQ && p.arch >= 90 && !p.deterministic && bulk_dq_allowed() &&
+              Tr::kSmemBytes + Tr::kdQStageBytes <= max_smem;
   const int smem_bytes = Tr::kSmemBytes + (p.dq_bulk ? Tr::kdQStageBytes : 0);
   auto kernel = bwd_kernel<Tr>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
