@@ -100,11 +100,13 @@ struct BwdTraits {
   static constexpr int kSmemBytes =
       int(sizeof(Element)) * ((kQStages + kdOStages) * kQSize + 2 * kKVSize + 2 * kPdSSize) +
       kQStages * kStatsSize * int(sizeof(float));
-  // sm90 bulk dQ (fa2_bwd_dq.h): a (kBlockM, hdim) fp32 staging tile after the rest, added to
-  // kSmemBytes by the launcher when it takes that path. With dQ in column chunks it would need
-  // a tile per chunk (hdim 256: 64 KB more, past sm90's 227 KB), so those keep the reds.
-  static constexpr bool kBulkdQ = kdQChunks == 1;
-  static constexpr int kdQStageBytes = kBulkdQ ? kBlockM * kHeadDim * int(sizeof(float)) : 0;
+  // sm90 bulk dQ (fa2_bwd_dq.h): a (kBlockM, kdQCols) fp32 staging tile for the first dQ
+  // chunk, after the rest, added to kSmemBytes by the launcher when it takes that path. (A tile
+  // per chunk would not fit at hdim 256: 64 KB more, past sm90's 227 KB.) In dq_accum the
+  // chunk is kdQPieces ranges of 16 rows, one range when dQ is not chunked.
+  static constexpr bool kBulkdQ = Table::kdQBulk == 1;
+  static constexpr int kdQStageBytes = kBulkdQ ? kBlockM * kdQCols * int(sizeof(float)) : 0;
+  static constexpr int kdQPieces = kdQChunks == 1 ? 1 : kBlockM / 16;
 };
 
 // 4-byte cp.async; src_bytes = 0 writes a zero instead of reading.
@@ -138,6 +140,18 @@ template <int kHeadDim>
 __host__ __device__ inline int* bwd_dq_counters(const BwdParams& p) {
   const int64_t rows = int64_t(p.batch) * p.heads * round_up(p.seqlen_q, kRowPad);
   return reinterpret_cast<int*>(p.dq_accum + rows * kHeadDim);
+}
+
+// Adds the staged first dQ chunk (dq_stage's fragment order over kdQCols columns) of the
+// query tile whose dq_accum range starts at dst: 16-row pieces of kdQCols / 8 fragments each.
+template <class Tr>
+__device__ __forceinline__ void bulk_add_staged(float* dst, const float* stage) {
+  constexpr int kStageFloats = Tr::kdQStageBytes / int(sizeof(float));
+#pragma unroll
+  for (int piece = 0; piece < Tr::kdQPieces; ++piece) {
+    bulk_reduce_add(dst + piece * 16 * Tr::kHeadDim, stage + piece * kStageFloats / Tr::kdQPieces,
+                    Tr::kdQStageBytes / Tr::kdQPieces);
+  }
 }
 
 template <class Tr>
@@ -318,7 +332,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
         __syncthreads();  // Q[m], dO[m] landed; every warp is done with the last step's Z, dS
                           // (bulk dQ: and has staged and fenced the last step's dQ)
         if (bulk_dq && tid == 0 && dq_pending != nullptr) {
-          bulk_reduce_add(dq_pending, smem_dq, Tr::kdQStageBytes);
+          bulk_add_staged<Tr>(dq_pending, smem_dq);
         }
         auto load_next_q = [&](int next_stage) {
           load_q_tile(p.q, p.q_strides, next_head, next_m, q_buffer(next_stage));
@@ -382,8 +396,8 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
           Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kdQCols>>{});  // (MMA, MMA_M, MMA_D)
           clear(acc_dq);
           gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, ldsm_dq_a, ldsm_dq_b);
-          if (bulk_dq) {
-            dq_stage<kHeadDim>(smem_dq, acc_dq, tdQcdQ);
+          if (bulk_dq && c == 0) {
+            dq_stage<Tr::kdQCols>(smem_dq, acc_dq, tdQcdQ);
             fence_async_shared();
             if (tid == 0) dq_pending = dq_head + int64_t(row0) * kHeadDim;  // the tile's range
             continue;
@@ -422,7 +436,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   if (bulk_dq && tid == 0 && dq_pending != nullptr) {
     // The last tile's add; the staging buffer must be read before the next work item writes
     // it. (Its writes to global memory complete before the grid does.)
-    bulk_reduce_add(dq_pending, smem_dq, Tr::kdQStageBytes);
+    bulk_add_staged<Tr>(dq_pending, smem_dq);
     bulk_wait_read();
   }
 #pragma unroll
