@@ -64,16 +64,15 @@ __device__ __forceinline__ void dq_atomic_add(float* dq_head, Acc const& acc, Co
   }
 }
 
-// sm90, non-deterministic mode (where BwdTile::kdQBulk says so): a query tile's dQ (its first
-// column chunk, when dQ is chunked) goes to shared memory in the same fragment order over the
-// chunk's columns (kCols), and one thread adds it with bulk reductions that the copy engine
-// performs: one for the whole tile (kBlockM rows are one contiguous range of dq_accum), or one
-// per 16 rows for a chunk. Against the 16-byte reds, the warps only store to shared memory
-// (conflict-free: a warp's 32 lanes write 512 contiguous bytes) and no register waits for the
-// LSU to take it. Measured on an H100: one 512-byte bulk op per fragment and warp instead was
-// 5-15% slower than the reds. The staging buffer is read by the async proxy: each writer
-// fences before the barrier that precedes the bulk copy, and the issuing thread waits for the
-// read before the buffer is written again.
+// sm90, non-deterministic mode (where BwdTile::kdQBulk says so): a query tile's dQ goes to
+// shared memory in the same fragment order, and one thread adds the whole tile (kBlockM rows:
+// one contiguous range of dq_accum) with a bulk reduction that the copy engine performs.
+// Against the 16-byte reds, the warps only store to shared memory (conflict-free: a warp's 32
+// lanes write 512 contiguous bytes) and no register waits for the LSU to take it. Measured on
+// an H100: one 512-byte bulk op per fragment and warp instead was 5-15% slower than the reds.
+// The staging buffer is read by the async proxy: each writer fences before the barrier that
+// precedes the bulk copy, and the issuing thread waits for the read before the buffer is
+// written again. kCols: the staged tile's columns (the head dim).
 template <int kCols, class Acc, class Coord>
 __device__ __forceinline__ void dq_stage(float* stage, Acc const& acc, Coord const& coord) {
   const int lane = threadIdx.x % 32;

@@ -9,6 +9,8 @@
 //   (two dO buffers: and dO[m-1])        | Z, dS from S, dP, lse, D, keep    (fa2_bwd_dscore.h)
 //   Z, dS -> shared memory               | dV += Z^T dO                      (tensor cores)
 //   (one dO buffer: start dO[m-1])       | dQ_m += dS K -> fp32 reds, dK += dS^T Q
+//                                        |   (sm90 bulk dQ: dQ_m -> shared memory, added by
+//                                        |   one bulk reduction after the next barrier)
 // Q has two shared-memory buffers (kQStages = 2), so its next tile loads during the whole step.
 // dO has two where BwdTile asks for them (then a step has two barriers), else one, free once dV
 // is done, so its next tile loads under the dQ and dK GEMMs behind a third barrier. Where two Q
@@ -100,13 +102,12 @@ struct BwdTraits {
   static constexpr int kSmemBytes =
       int(sizeof(Element)) * ((kQStages + kdOStages) * kQSize + 2 * kKVSize + 2 * kPdSSize) +
       kQStages * kStatsSize * int(sizeof(float));
-  // sm90 bulk dQ (fa2_bwd_dq.h): a (kBlockM, kdQCols) fp32 staging tile for the first dQ
-  // chunk, after the rest, added to kSmemBytes by the launcher when it takes that path. (A tile
-  // per chunk would not fit at hdim 256: 64 KB more, past sm90's 227 KB.) In dq_accum the
-  // chunk is kdQPieces ranges of 16 rows, one range when dQ is not chunked.
+  // sm90 bulk dQ (fa2_bwd_dq.h): a (kBlockM, hdim) fp32 staging tile after the rest, added to
+  // kSmemBytes by the launcher when it takes that path. The tile is one contiguous range of
+  // dq_accum only when dQ is not chunked.
   static constexpr bool kBulkdQ = Table::kdQBulk == 1;
-  static constexpr int kdQStageBytes = kBulkdQ ? kBlockM * kdQCols * int(sizeof(float)) : 0;
-  static constexpr int kdQPieces = kdQChunks == 1 ? 1 : kBlockM / 16;
+  static_assert(!kBulkdQ || kdQChunks == 1);
+  static constexpr int kdQStageBytes = kBulkdQ ? kBlockM * kHeadDim * int(sizeof(float)) : 0;
 };
 
 // 4-byte cp.async; src_bytes = 0 writes a zero instead of reading.
@@ -140,18 +141,6 @@ template <int kHeadDim>
 __host__ __device__ inline int* bwd_dq_counters(const BwdParams& p) {
   const int64_t rows = int64_t(p.batch) * p.heads * round_up(p.seqlen_q, kRowPad);
   return reinterpret_cast<int*>(p.dq_accum + rows * kHeadDim);
-}
-
-// Adds the staged first dQ chunk (dq_stage's fragment order over kdQCols columns) of the
-// query tile whose dq_accum range starts at dst: 16-row pieces of kdQCols / 8 fragments each.
-template <class Tr>
-__device__ __forceinline__ void bulk_add_staged(float* dst, const float* stage) {
-  constexpr int kStageFloats = Tr::kdQStageBytes / int(sizeof(float));
-#pragma unroll
-  for (int piece = 0; piece < Tr::kdQPieces; ++piece) {
-    bulk_reduce_add(dst + piece * 16 * Tr::kHeadDim, stage + piece * kStageFloats / Tr::kdQPieces,
-                    Tr::kdQStageBytes / Tr::kdQPieces);
-  }
 }
 
 template <class Tr>
@@ -332,7 +321,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
         __syncthreads();  // Q[m], dO[m] landed; every warp is done with the last step's Z, dS
                           // (bulk dQ: and has staged and fenced the last step's dQ)
         if (bulk_dq && tid == 0 && dq_pending != nullptr) {
-          bulk_add_staged<Tr>(dq_pending, smem_dq);
+          bulk_reduce_add(dq_pending, smem_dq, Tr::kdQStageBytes);
         }
         auto load_next_q = [&](int next_stage) {
           load_q_tile(p.q, p.q_strides, next_head, next_m, q_buffer(next_stage));
@@ -396,8 +385,8 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
           Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kdQCols>>{});  // (MMA, MMA_M, MMA_D)
           clear(acc_dq);
           gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, ldsm_dq_a, ldsm_dq_b);
-          if (bulk_dq && c == 0) {
-            dq_stage<Tr::kdQCols>(smem_dq, acc_dq, tdQcdQ);
+          if (bulk_dq) {
+            dq_stage<kHeadDim>(smem_dq, acc_dq, tdQcdQ);
             fence_async_shared();
             if (tid == 0) dq_pending = dq_head + int64_t(row0) * kHeadDim;  // the tile's range
             continue;
@@ -436,7 +425,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   if (bulk_dq && tid == 0 && dq_pending != nullptr) {
     // The last tile's add; the staging buffer must be read before the next work item writes
     // it. (Its writes to global memory complete before the grid does.)
-    bulk_add_staged<Tr>(dq_pending, smem_dq);
+    bulk_reduce_add(dq_pending, smem_dq, Tr::kdQStageBytes);
     bulk_wait_read();
   }
 #pragma unroll

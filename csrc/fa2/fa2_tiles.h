@@ -40,11 +40,12 @@ template <> struct FwdTile<256> { static constexpr int kBlockM = 64,  kBlockN = 
 // sm80 allows 163 KB, sm90 227 KB. A second dO buffer saves a barrier per step: measured on an
 // H100, +2-3% at hdim 128, -1% at hdim 64, -12% at hdim 256. kdQChunks: dQ = dS K in that
 // many column chunks, so its accumulator takes 1 / kdQChunks of the registers.
-// kdQBulk (sm90, fa2_bwd_dq.h): 1 = the first dQ chunk of a step goes through a shared-memory
-// staging tile (kBlockM x hdim / kdQChunks fp32, on top of the smem column) and one bulk
-// reduction, the other chunks through reds; 0 = reds only. Measured on an H100 against reds
-// only (A/B in one process, bwd 1k-16k): hdim 64 +1-4%, 192 +5-6%, 128 -1-3% (why not
-// established); 32 and 96 follow the tile they share (64's, 128's), unmeasured.
+// kdQBulk (sm90, fa2_bwd_dq.h): 1 = a step's dQ tile goes through a shared-memory staging
+// tile (kBlockM x hdim fp32, on top of the smem column) and one bulk reduction; 0 = reds.
+// Measured on an H100 against the reds (A/B in one process, bf16 bwd 1k-16k, three leases):
+// hdim 64 +1-4%, 192 +5-6%, but 128 -1-3%, and at 256 (dQ in two chunks, the first staged as
+// four 16-row bulk ops, the second by reds) -3-5%; why 128 and 256 lose is not established.
+// 32 and 96 follow the tile they share (64's, 128's), unmeasured.
 template <int kHeadDim> struct BwdTile;
 //                                     kBlockM      kBlockN      kWarps     kSdPWarpsM     kdKVWarpsN     kdQWarpsM     kdOStages     kdQChunks     kdQBulk   limit
 template <> struct BwdTile<32>  { static constexpr int kBlockM = 128, kBlockN = 128, kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 4, kdQWarpsM = 4, kdOStages = 1, kdQChunks = 1, kdQBulk = 1; };  // S + dP registers (128); smem 106 KB
@@ -52,7 +53,7 @@ template <> struct BwdTile<64>  { static constexpr int kBlockM = 128, kBlockN = 
 template <> struct BwdTile<96>  { static constexpr int kBlockM = 64,  kBlockN = 128, kWarps = 8, kSdPWarpsM = 2, kdKVWarpsN = 4, kdQWarpsM = 4, kdOStages = 2, kdQChunks = 1, kdQBulk = 0; };  // dK, dV 96 + S + dP 64 registers; smem 129 KB
 template <> struct BwdTile<128> { static constexpr int kBlockM = 64,  kBlockN = 128, kWarps = 8, kSdPWarpsM = 2, kdKVWarpsN = 4, kdQWarpsM = 2, kdOStages = 2, kdQChunks = 1, kdQBulk = 0; };  // dK, dV 128 + S + dP 64 registers; smem 161 KB
 template <> struct BwdTile<192> { static constexpr int kBlockM = 64,  kBlockN = 64,  kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 2, kdQWarpsM = 2, kdOStages = 1, kdQChunks = 1, kdQBulk = 1; };  // dK, dV 96 + dQ 48 registers; smem 137 KB
-template <> struct BwdTile<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 2, kdQWarpsM = 2, kdOStages = 1, kdQChunks = 2, kdQBulk = 1; };  // dK, dV 128 + dQ 2 x 32 registers; smem 177 KB (145 KB with one Q buffer: sm80)
+template <> struct BwdTile<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kWarps = 8, kSdPWarpsM = 4, kdKVWarpsN = 2, kdQWarpsM = 2, kdOStages = 1, kdQChunks = 2, kdQBulk = 0; };  // dK, dV 128 + dQ 2 x 32 registers; smem 177 KB (145 KB with one Q buffer: sm80)
 
 // ---- layouts shared by forward and backward -------------------------------------------------
 
