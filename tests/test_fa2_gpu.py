@@ -455,6 +455,18 @@ def test_dq_reds_path(sq, sk, h, hk, d, causal, dtype, monkeypatch):
     run_case(2, sq, sk, h, hk, d, dtype, dict(causal=causal))
 
 
+@pytest.mark.parametrize("mode", ["0", "1"])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("sq,sk,h,hk,d", [(1023, 1024, 6, 2, 64), (239, 517, 4, 4, 128)])
+def test_bwd_chain_modes(sq, sk, h, hk, d, deterministic, mode, monkeypatch):
+    """The backward's kernel chain (FLASH_ATTN_FA2_BWD_PDL): every other test runs the default
+    (the preprocess zeroes dQ's scratch and its counters; on sm90 the later kernels are
+    launched with programmatic dependent launch). 0 (a memset) and 1 (no pdl) must pass the
+    rule too, on scratch the poisoned allocator has filled."""
+    monkeypatch.setenv("FLASH_ATTN_FA2_BWD_PDL", mode)
+    run_case(2, sq, sk, h, hk, d, torch.bfloat16, dict(causal=True), deterministic=deterministic)
+
+
 # ---- 7. fa1 and fa2 on the same inputs --------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)

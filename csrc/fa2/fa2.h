@@ -31,7 +31,8 @@ constexpr int kBwdMinBlockM = 64;
 //   counters: int32 (batch, heads, rows_pad / kBwdMinBlockM), deterministic mode only: whose
 //             turn it is to add into each query tile of dq_accum
 //   dsum:     fp32 (batch, heads, rows_pad), D = rowsum(dO o O)
-// dq_accum and the counters are zeroed by the launcher; dsum is written whole by the preprocess.
+// dq_accum and the counters are zeroed by the preprocess (or a memset, fa2_bwd_launch.cuh); dsum
+// is written whole by the preprocess.
 // (The backward's launcher owns this layout; the API layer only sizes the allocation.)
 inline int64_t bwd_workspace_bytes(const BwdParams& p, int kernel_hdim) {
   const int64_t rows = int64_t(p.batch) * p.heads * round_up(p.seqlen_q, kRowPad);

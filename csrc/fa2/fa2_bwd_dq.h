@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "common/params.h"
+#include "common/pdl.h"
 #include "fa2/fa2.h"
 #include "fa2/fa2_utils.h"
 
@@ -155,6 +156,7 @@ __global__ void __launch_bounds__(kDqConvertThreads) bwd_convert_dq_kernel(const
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int kPitch = kHeadDim + 8;  // 16 bytes of padding: rows start on different banks
   __shared__ __align__(16) T tile[kDqConvertRows * kPitch];
+  pdl_wait();  // for the main kernel's adds (launched with pdl: fa2_bwd_launch.cuh)
   constexpr int kFloat4s = kDqConvertRows * kHeadDim / 4;
   constexpr int kVectors = kDqConvertRows * kHeadDim / 8;
   constexpr int kFragsPerRowGroup = kHeadDim / 8 * 32;

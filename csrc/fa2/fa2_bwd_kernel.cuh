@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "common/params.h"
+#include "common/pdl.h"
 #include "common/philox.cuh"
 #include "fa2/fa2.h"
 #include "fa2/fa2_bwd_dq.h"
@@ -296,6 +297,9 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
       copy_tile<true>(gmem_load, tVgV, tVsV, tKcK, keys_valid, p.head_dim);
       load_q_tile(p.q, p.q_strides, head_begin, tiles.end - 1, q_buffer(0));
       load_q_tile(p.dout, p.do_strides, head_begin, tiles.end - 1, do_buffer(0));
+      // K, V, Q and dO are not the preprocess's outputs, so they may load while it finishes;
+      // D (next) and dq_accum (zeroed by it) wait for it to complete.
+      pdl_wait();
       load_row_stats(head_begin, tiles.end - 1, 0);
       cp_async_fence();
     }
@@ -458,6 +462,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_kernel(const __grid_const
                                                               const TileOrder order) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   extern __shared__ __align__(128) char smem[];
+  // The dQ conversion may be scheduled once every block has started (it waits for the grid to
+  // complete before it reads): its launch and first blocks fill the SMs this grid's tail frees.
+  pdl_launch_dependents();
   // Items over (key tile, batch * heads_k). Tile t is key tile t: under a causal mask the
   // first key tiles have the most query tiles. The deterministic dQ order relies on key tile
   // n - 1 of a head starting before key tile n (fa2_bwd_dq.h), which TileOrder keeps.

@@ -1,6 +1,9 @@
 // FA2 backward launcher: the workspace layout, D = rowsum(dO o O), the main kernel (its Q
 // buffering chosen by the device's shared memory, dropout and score mods as template flags),
 // and the dQ conversion. Included by the generated instantiation files only.
+// On sm90 the main kernel and the conversion are launched with programmatic dependent launch
+// (common/pdl.h): each may be scheduled before the kernel ahead of it completes, and waits for
+// it before reading its output.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +12,7 @@
 #include <string>
 
 #include "common/check.h"
+#include "common/pdl.h"
 #include "fa2/fa2.h"
 #include "fa2/fa2_bwd_dq.h"
 #include "fa2/fa2_bwd_kernel.cuh"
@@ -24,8 +28,22 @@ inline bool bulk_dq_allowed() {
   return env == nullptr || std::atoi(env) != 0;
 }
 
+// How the backward's kernels follow each other, FLASH_ATTN_FA2_BWD_PDL (read at every call,
+// for A/B benchmarks and tests): 0 = a memset of dq_accum, then plain launches; 1 = the
+// preprocess zeroes dq_accum, plain launches; 2 (default) = as 1, and the main kernel and the
+// conversion launched with pdl on sm90.
+struct BwdChain {
+  bool clear_in_preprocess;
+  bool pdl;
+};
+inline BwdChain bwd_chain(int arch) {
+  const char* env = std::getenv("FLASH_ATTN_FA2_BWD_PDL");
+  const int mode = env == nullptr ? 2 : std::atoi(env);
+  return {mode >= 1, mode >= 2 && arch >= 90};
+}
+
 template <class Tr>
-void launch_bwd_main(const BwdParams& params, int max_smem, cudaStream_t stream) {
+void launch_bwd_main(const BwdParams& params, int max_smem, bool pdl, cudaStream_t stream) {
   BwdParams p = params;
   const int n_blocks = int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN);
   // A key tile walks Q, dO (and adds into dQ, fp32) of every query head of its KV head.
@@ -43,28 +61,27 @@ void launch_bwd_main(const BwdParams& params, int max_smem, cudaStream_t stream)
   const TileOrder order =
       tile_order(n_blocks, p.batch, p.heads_k, 1, q_bytes, p.l2_bytes,
                  resident_blocks(kernel, Tr::kThreads, smem_bytes, p.num_sms));
-  kernel<<<order.grid(), Tr::kThreads, smem_bytes, stream>>>(p, order);
-  FLASH_CHECK_LAUNCH();
+  launch(kernel, dim3(order.grid()), dim3(Tr::kThreads), smem_bytes, stream, pdl, p, order);
 }
 
 // Dropout and the score mods (softcap, ALiBi) are template flags: their state and code cost
 // registers, and the loop's instruction footprint, that the plain kernel should not carry.
 // Everything else (mask, window, GQA, determinism) is a runtime field.
 template <typename T, int kHeadDim, int kQStages, bool kDropout>
-void launch_bwd_mod_variant(const BwdParams& p, int max_smem, cudaStream_t stream) {
+void launch_bwd_mod_variant(const BwdParams& p, int max_smem, bool pdl, cudaStream_t stream) {
   if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
-    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, true>>(p, max_smem, stream);
+    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, true>>(p, max_smem, pdl, stream);
   } else {
-    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, false>>(p, max_smem, stream);
+    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, false>>(p, max_smem, pdl, stream);
   }
 }
 
 template <typename T, int kHeadDim, int kQStages>
-void launch_bwd_variant(const BwdParams& p, int max_smem, cudaStream_t stream) {
+void launch_bwd_variant(const BwdParams& p, int max_smem, bool pdl, cudaStream_t stream) {
   if (p.dropout_p > 0.f) {
-    launch_bwd_mod_variant<T, kHeadDim, kQStages, true>(p, max_smem, stream);
+    launch_bwd_mod_variant<T, kHeadDim, kQStages, true>(p, max_smem, pdl, stream);
   } else {
-    launch_bwd_mod_variant<T, kHeadDim, kQStages, false>(p, max_smem, stream);
+    launch_bwd_mod_variant<T, kHeadDim, kQStages, false>(p, max_smem, pdl, stream);
   }
 }
 
@@ -82,12 +99,16 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   p.dq_accum = static_cast<float*>(p.workspace);
   p.dsum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + rows * kHeadDim * 4 +
                                     counters * 4);
-  FLASH_CHECK_CUDA(cudaMemsetAsync(p.dq_accum, 0, (rows * kHeadDim + counters) * 4, stream));
+  const BwdChain chain = bwd_chain(p.arch);
+  if (!chain.clear_in_preprocess) {
+    FLASH_CHECK_CUDA(cudaMemsetAsync(p.dq_accum, 0, (rows * kHeadDim + counters) * 4, stream));
+  }
 
+  // The preprocess follows whatever wrote dO and O: a plain launch.
   const int64_t dot_blocks = (rows + DotTile<kHeadDim>::kRowsPerStep - 1) / DotTile<kHeadDim>::kRowsPerStep;
   const int64_t max_blocks = int64_t(std::max(p.num_sms, 1)) * 16;
-  bwd_dot_do_o_kernel<T, kHeadDim>
-      <<<unsigned(std::min(dot_blocks, max_blocks)), kDotThreads, 0, stream>>>(p);
+  bwd_dot_do_o_kernel<T, kHeadDim><<<unsigned(std::min(dot_blocks, max_blocks)), kDotThreads,
+                                     0, stream>>>(p, chain.clear_in_preprocess);
   FLASH_CHECK_LAUNCH();
 
   int device = 0, max_smem = 0;
@@ -97,7 +118,7 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   constexpr int kSmemTwo = BwdTraits<T, kHeadDim, 2, false, false>::kSmemBytes;
   constexpr int kSmemOne = BwdTraits<T, kHeadDim, 1, false, false>::kSmemBytes;
   if (kSmemTwo <= max_smem) {
-    launch_bwd_variant<T, kHeadDim, 2>(p, max_smem, stream);
+    launch_bwd_variant<T, kHeadDim, 2>(p, max_smem, chain.pdl, stream);
   } else if constexpr (kSmemTwo > kSm80SmemBytes) {
     if (kSmemOne > max_smem) {
       throw std::runtime_error("flash_attn fa2: the backward for head dim " +
@@ -105,7 +126,7 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
                                " bytes of shared memory per block; this GPU allows " +
                                std::to_string(max_smem));
     }
-    launch_bwd_variant<T, kHeadDim, 1>(p, max_smem, stream);
+    launch_bwd_variant<T, kHeadDim, 1>(p, max_smem, chain.pdl, stream);
   } else {
     throw std::runtime_error("flash_attn fa2: the backward for head dim " +
                              std::to_string(kHeadDim) + " needs " + std::to_string(kSmemTwo) +
@@ -115,8 +136,8 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
 
   const dim3 convert_grid(unsigned(rows_pad / kDqConvertRows),
                           unsigned(std::min<int64_t>(batch_heads, 65535)));
-  bwd_convert_dq_kernel<T, kHeadDim><<<convert_grid, kDqConvertThreads, 0, stream>>>(p);
-  FLASH_CHECK_LAUNCH();
+  launch(bwd_convert_dq_kernel<T, kHeadDim>, convert_grid, dim3(kDqConvertThreads), 0, stream,
+         chain.pdl, p);
 }
 
 }  // namespace flash::fa2
