@@ -92,6 +92,7 @@ struct BwdParams : FwdParams {
   float* dq_accum = nullptr;   // dQ in fp32, accumulated across K/V blocks
   bool deterministic = false;  // one writer per dQ element, in a fixed order
   bool dq_bulk = false;        // FA2, sm90: dQ tiles added by bulk reductions (launcher's choice)
+  bool dq_defer = false;       // FA2: the last dQ chunk's reds spread over dK's GEMM (launcher's choice)
 };
 
 }  // namespace flash

@@ -39,9 +39,12 @@ __host__ __device__ __forceinline__ int64_t dq_frag_offset(int row, int col, int
 // A lane's first fragment sits at row g + 16i, column 2t + 8j, and fragment (m, n) a multiple
 // of 16 rows and 8 columns further: its address is the lane's base plus a compile-time offset
 // (the red's immediate), not a fresh fragment-order index each time.
+// part / parts: only that share of the fragments (in (m, n) order), so that the adds can be
+// spread over another GEMM's slices.
 template <int kHeadDim, class Acc, class Coord>
 __device__ __forceinline__ void dq_atomic_add(float* dq_head, Acc const& acc, Coord const& coord,
-                                              int row0, int col0) {
+                                              int row0, int col0, int part = 0, int parts = 1) {
+  constexpr int kFrags = decltype(size<1>(acc) * size<2>(acc))::value;
   const int lane = threadIdx.x % 32;
   const int r0 = get<0>(coord(0, 0, 0)), c0 = get<1>(coord(0, 0, 0));
   float* base = dq_head + dq_frag_offset<kHeadDim>(row0 + r0, col0 + c0, lane);
@@ -49,6 +52,8 @@ __device__ __forceinline__ void dq_atomic_add(float* dq_head, Acc const& acc, Co
   for (int m = 0; m < size<1>(acc); ++m) {
 #pragma unroll
     for (int n = 0; n < size<2>(acc); ++n) {
+      const int i = m * size<2>(acc) + n;
+      if (i < kFrags * part / parts || i >= kFrags * (part + 1) / parts) continue;
       const int dr = get<0>(coord(0, m, n)) - r0, dc = get<1>(coord(0, m, n)) - c0;
       float* dst = base + (dr / 16 * (kHeadDim / 8) + dc / 8) * 32 * 4;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

@@ -381,12 +381,14 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
         // fragments, and that ldmatrix waits (ncu, hdim 64 at 16k: ~5% of the stall samples).
         // Adding after dK's GEMM moved the wait to the next step's first barrier, same time.
         int* counter = nullptr;
+        // Reds of the last chunk deferred into dK's GEMM (below), two or so per slice.
+        const bool defer = !bulk_dq && p.dq_defer;
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kdQCols>>{});  // (MMA, MMA_M, MMA_D)
 #pragma unroll
         for (int c = 0; c < Tr::kdQChunks; ++c) {
           Tensor sKt_c = make_tensor(make_smem_ptr(smem_k + c * kBlockN * Tr::kdQCols),
                                      typename Tr::SmemKVtdQ{});  // (kdQCols, BN)
           Tensor tdQsKt = ldsm_dq_b_thr.partition_S(sKt_c);
-          Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kdQCols>>{});  // (MMA, MMA_M, MMA_D)
           clear(acc_dq);
           gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, ldsm_dq_a, ldsm_dq_b);
           if (bulk_dq) {
@@ -399,14 +401,22 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
             counter = dq_counters + bh * counters_per_head + m_block;
             DqTurn::wait(counter, n_block - first_key_tile_of<kBlockM, kBlockN>(mask, m_block, n_block));
           }
-          dq_atomic_add<kHeadDim>(dq_head, acc_dq, tdQcdQ, row0, c * Tr::kdQCols);
+          if (c + 1 < Tr::kdQChunks || !defer) {
+            dq_atomic_add<kHeadDim>(dq_head, acc_dq, tdQcdQ, row0, c * Tr::kdQCols);
+          }
         }
         if (counter != nullptr) DqTurn::pass(counter);
 
         // dK += dS^T Q.
         Tensor sQt = make_tensor(make_smem_ptr(q_buffer(stage)), typename Tr::SmemQt{});  // (hdim, BM)
         Tensor tdKsQt = ldsm_dkv_b_thr.partition_S(sQt);
-        gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, ldsm_dkv_a, ldsm_dkv_b);
+        gemm_ss(acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, mma_dkv, ldsm_dkv_a, ldsm_dkv_b,
+                [&](int k, int slices) {
+                  if (defer) {
+                    dq_atomic_add<kHeadDim>(dq_head, acc_dq, tdQcdQ, row0,
+                                            (Tr::kdQChunks - 1) * Tr::kdQCols, k, slices);
+                  }
+                });
         if (Tr::kQStages == 1 && has_next) {
           __syncthreads();  // every warp is done with Q[m] and dO[m], the only buffers
           load_next_q(0);

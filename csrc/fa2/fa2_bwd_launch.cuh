@@ -54,6 +54,8 @@ void launch_bwd_main(const BwdParams& params, int max_smem, bool pdl, cudaStream
   // give that, so it keeps them.
   p.dq_bulk = Tr::kBulkdQ && p.arch >= 90 && !p.deterministic && bulk_dq_allowed() &&
               Tr::kSmemBytes + Tr::kdQStageBytes <= max_smem;
+  const char* defer_env = std::getenv("FLASH_ATTN_FA2_BWD_DQ_DEFER");
+  p.dq_defer = !p.deterministic && (defer_env == nullptr || std::atoi(defer_env) != 0);
   const int smem_bytes = Tr::kSmemBytes + (p.dq_bulk ? Tr::kdQStageBytes : 0);
   auto kernel = bwd_kernel<Tr>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -80,12 +80,16 @@ __device__ __forceinline__ float quad_allreduce_sum(float x) {
 // acc += A * B^T with both operands in shared memory. The ldmatrix of k-slice k+1 is issued
 // before the MMAs of slice k, so shared-memory latency hides under tensor-core work.
 // tCrA/tCrB: the MMA's register fragments (MMA, MMA_M|N, MMA_K); tCsA/tCsB: the smem views
-// partitioned by the matching smem->register tiled copies.
+// partitioned by the matching smem->register tiled copies. after_slice(k, slices) runs after
+// the MMAs of slice k (other work to interleave with the GEMM's).
+struct NoHook {
+  __device__ void operator()(int, int) const {}
+};
 template <class Acc, class RA, class RB, class SA, class SB, class TiledMma, class CopyA,
-          class CopyB>
+          class CopyB, class Hook = NoHook>
 __device__ __forceinline__ void gemm_ss(Acc& acc, RA& tCrA, RB& tCrB, SA const& tCsA,
                                         SB const& tCsB, TiledMma const& mma, CopyA const& copy_a,
-                                        CopyB const& copy_b) {
+                                        CopyB const& copy_b, Hook const& after_slice = {}) {
   Tensor tCrA_view = copy_a.get_thread_slice(threadIdx.x).retile_D(tCrA);
   Tensor tCrB_view = copy_b.get_thread_slice(threadIdx.x).retile_D(tCrB);
   copy(copy_a, tCsA(_, _, 0), tCrA_view(_, _, 0));
@@ -98,6 +102,7 @@ __device__ __forceinline__ void gemm_ss(Acc& acc, RA& tCrA, RB& tCrB, SA const& 
       copy(copy_b, tCsB(_, _, k + 1), tCrB_view(_, _, k + 1));
     }
     gemm(mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+    after_slice(k, kSlices);
   }
 }
 
