@@ -455,6 +455,16 @@ def test_dq_reds_path(sq, sk, h, hk, d, causal, dtype, monkeypatch):
     run_case(2, sq, sk, h, hk, d, dtype, dict(causal=causal))
 
 
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("sq,sk,h,hk,d", [(1023, 1024, 6, 2, 128), (239, 517, 4, 4, 256),
+                                          (300, 300, 2, 2, 96)])
+def test_dq_reds_not_deferred(sq, sk, h, hk, d, causal, monkeypatch):
+    """The reds of dQ's last chunk are spread over dK's GEMM by default (the other tests);
+    FLASH_ATTN_FA2_BWD_DQ_DEFER=0 issues them together after the dQ GEMM."""
+    monkeypatch.setenv("FLASH_ATTN_FA2_BWD_DQ_DEFER", "0")
+    run_case(2, sq, sk, h, hk, d, torch.bfloat16, dict(causal=causal))
+
+
 @pytest.mark.parametrize("mode", ["0", "1"])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("sq,sk,h,hk,d", [(1023, 1024, 6, 2, 64), (239, 517, 4, 4, 128)])

@@ -375,13 +375,19 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
           cp_async_fence();
         }
 
-        // dQ_m += dS K (softmax_scale applied at conversion), added before dK's GEMM so the
-        // dQ fragment is dead by then. The reductions do not drain under that GEMM: a red holds
-        // its source registers until the LSU takes them, ptxas gives them to the GEMM's first
-        // fragments, and that ldmatrix waits (ncu, hdim 64 at 16k: ~5% of the stall samples).
-        // Adding after dK's GEMM moved the wait to the next step's first barrier, same time.
+        // dQ_m += dS K (softmax_scale applied at conversion). A red holds its source registers
+        // until the LSU has taken them; issued all at once (8 x 512 B per warp) right before
+        // dK's GEMM, they kept that GEMM's first ldmatrix waiting for registers ptxas had given
+        // it from the reds' sources (ncu, hdim 256 full 4k: 4.3% of all stall samples on that
+        // one instruction; hdim 64: ~5%). Issuing all of them after dK's GEMM only moved the
+        // wait to the next barrier. So (p.dq_defer) the last chunk's reds are spread over dK's
+        // GEMM, a share after each k-slice: the LSU drains a few while the tensor cores work,
+        // and acc_dq stays live across that GEMM instead. Measured on an H100 against the reds
+        // issued together (A/B in one process, bf16, 1k-16k, both masks): hdim 128 +5-7%, 256
+        // +4-5%; ptxas spills of the plain kernels went down (hdim 128 16/24 B -> 0, 256 32/56
+        // -> 20/20 B). The deterministic mode keeps them together, between its turn's wait
+        // and pass.
         int* counter = nullptr;
-        // Reds of the last chunk deferred into dK's GEMM (below), two or so per slice.
         const bool defer = !bulk_dq && p.dq_defer;
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kdQCols>>{});  // (MMA, MMA_M, MMA_D)
 #pragma unroll

@@ -20,18 +20,21 @@
 
 namespace flash::fa2 {
 
-// Whether the sm90 bulk dQ path (fa2_bwd_dq.h) may be taken: FLASH_ATTN_FA2_BWD_DQ_BULK=0
-// turns it off, for A/B benchmarks and for the tests of the reds. Read at every call (a
-// getenv next to a kernel launch), so one process can compare both.
-inline bool bulk_dq_allowed() {
-  const char* env = std::getenv("FLASH_ATTN_FA2_BWD_DQ_BULK");
-  return env == nullptr || std::atoi(env) != 0;
+// Run-time switches of the backward, for A/B benchmarks (benchmarks/ab_switch.py) and for the
+// tests of the paths they turn off. Read at every call (a getenv next to a kernel launch), so
+// one process can compare both settings.
+//   FLASH_ATTN_FA2_BWD_DQ_BULK=0   no sm90 bulk dQ (fa2_bwd_dq.h): per-fragment reds
+//   FLASH_ATTN_FA2_BWD_DQ_DEFER=0  the reds of dQ's last chunk together, not spread over dK's
+//                                  GEMM (fa2_bwd_kernel.cuh)
+//   FLASH_ATTN_FA2_BWD_PDL=0|1     see bwd_chain below
+inline bool env_flag(const char* name, bool fallback) {
+  const char* env = std::getenv(name);
+  return env == nullptr ? fallback : std::atoi(env) != 0;
 }
 
-// How the backward's kernels follow each other, FLASH_ATTN_FA2_BWD_PDL (read at every call,
-// for A/B benchmarks and tests): 0 = a memset of dq_accum, then plain launches; 1 = the
-// preprocess zeroes dq_accum, plain launches; 2 (default) = as 1, and the main kernel and the
-// conversion launched with pdl on sm90.
+// How the backward's kernels follow each other, FLASH_ATTN_FA2_BWD_PDL: 0 = a memset of
+// dq_accum, then plain launches; 1 = the preprocess zeroes dq_accum, plain launches; 2
+// (default) = as 1, and the main kernel and the conversion launched with pdl on sm90.
 struct BwdChain {
   bool clear_in_preprocess;
   bool pdl;
@@ -52,10 +55,10 @@ void launch_bwd_main(const BwdParams& params, int max_smem, bool pdl, cudaStream
                           (p.heads / p.heads_k);
   // The deterministic mode's turns need each add complete before the next block's; the reds
   // give that, so it keeps them.
-  p.dq_bulk = Tr::kBulkdQ && p.arch >= 90 && !p.deterministic && bulk_dq_allowed() &&
+  p.dq_bulk = Tr::kBulkdQ && p.arch >= 90 && !p.deterministic &&
+              env_flag("FLASH_ATTN_FA2_BWD_DQ_BULK", true) &&
               Tr::kSmemBytes + Tr::kdQStageBytes <= max_smem;
-  const char* defer_env = std::getenv("FLASH_ATTN_FA2_BWD_DQ_DEFER");
-  p.dq_defer = !p.deterministic && (defer_env == nullptr || std::atoi(defer_env) != 0);
+  p.dq_defer = !p.deterministic && env_flag("FLASH_ATTN_FA2_BWD_DQ_DEFER", true);
   const int smem_bytes = Tr::kSmemBytes + (p.dq_bulk ? Tr::kdQStageBytes : 0);
   auto kernel = bwd_kernel<Tr>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
