@@ -42,7 +42,8 @@ template <> struct FwdTile<256> { static constexpr int kBlockM = 64,  kBlockN = 
 // many column chunks, so its accumulator takes 1 / kdQChunks of the registers.
 // kdQBulk (sm90, fa2_bwd_dq.h): 1 = a step's dQ tile goes through a shared-memory staging
 // tile (kBlockM x hdim fp32, on top of the smem column) and one bulk reduction; 0 = reds.
-// Measured on an H100 against the reds (A/B in one process, bf16 bwd 1k-16k, three leases):
+// Measured on an H100 against the reds as they were then (all issued right after the dQ GEMM,
+// before they were spread over dK's GEMM; A/B in one process, bf16 bwd 1k-16k, three leases):
 // hdim 64 +1-4%, 192 +5-6%, but 128 -1-3%, and at 256 (dQ in two chunks, the first staged as
 // four 16-row bulk ops, the second by reds) -3-5%; why 128 and 256 lose is not established.
 // 32 and 96 follow the tile they share (64's, 128's), unmeasured.
