@@ -30,15 +30,30 @@ __host__ __device__ __forceinline__ int64_t dq_frag_offset(int row, int col, int
   return ((int64_t(row / 16) * (kHeadDim / 8) + col / 8) * 32 + lane) * 4;
 }
 
-// acc: an m16n8 accumulator fragment ((2,2), MMA_M, MMA_N) of a (rows, cols) tile starting at
-// (row0, col0) of the head's dQ, row0 a multiple of 16 and col0 of 8; coord: the same partition
-// of an identity tensor.
+// acc: an m16n8 accumulator fragment ((2,2), MMA_M, MMA_N) of a (rows, cols) tile; coord: the
+// same partition of an identity tensor. A lane's first fragment sits at row g + 16i, column
+// 2t + 8j, and fragment (m, n) a multiple of 16 rows and 8 columns further: in a kCols-wide
+// fragment-ordered buffer its address is the lane's base plus f's `offset`, a compile-time
+// constant once the loops unroll (the instruction's immediate), not a fresh fragment-order
+// index each time. Calls f(offset, m, n) for every fragment, in (m, n) order.
+template <int kCols, class Acc, class Coord, class F>
+__device__ __forceinline__ void for_each_dq_fragment(Acc const& acc, Coord const& coord, F&& f) {
+  const int r0 = get<0>(coord(0, 0, 0)), c0 = get<1>(coord(0, 0, 0));
+#pragma unroll
+  for (int m = 0; m < size<1>(acc); ++m) {
+#pragma unroll
+    for (int n = 0; n < size<2>(acc); ++n) {
+      const int dr = get<0>(coord(0, m, n)) - r0, dc = get<1>(coord(0, m, n)) - c0;
+      f((dr / 16 * (kCols / 8) + dc / 8) * 32 * 4, m, n);
+    }
+  }
+}
+
+// Adds acc, the part of a tile starting at (row0, col0) of the head's dQ (row0 a multiple of
+// 16, col0 of 8), into dq_accum.
 // Columns past head_dim are added too: the buffer is kHeadDim wide and the convert kernel never
 // reads them, so no predicate. (A predicated red costs a BSSY/BRA/BSYNC region per fragment in
 // ptxas's output, which is most of the dQ epilogue's issue slots at hdim 256.)
-// A lane's first fragment sits at row g + 16i, column 2t + 8j, and fragment (m, n) a multiple
-// of 16 rows and 8 columns further: its address is the lane's base plus a compile-time offset
-// (the red's immediate), not a fresh fragment-order index each time.
 // part / parts: only that share of the fragments (in (m, n) order), so that the adds can be
 // spread over another GEMM's slices.
 template <int kHeadDim, class Acc, class Coord>
@@ -46,28 +61,23 @@ __device__ __forceinline__ void dq_atomic_add(float* dq_head, Acc const& acc, Co
                                               int row0, int col0, int part = 0, int parts = 1) {
   constexpr int kFrags = decltype(size<1>(acc) * size<2>(acc))::value;
   const int lane = threadIdx.x % 32;
-  const int r0 = get<0>(coord(0, 0, 0)), c0 = get<1>(coord(0, 0, 0));
-  float* base = dq_head + dq_frag_offset<kHeadDim>(row0 + r0, col0 + c0, lane);
-#pragma unroll
-  for (int m = 0; m < size<1>(acc); ++m) {
-#pragma unroll
-    for (int n = 0; n < size<2>(acc); ++n) {
-      const int i = m * size<2>(acc) + n;
-      if (i < kFrags * part / parts || i >= kFrags * (part + 1) / parts) continue;
-      const int dr = get<0>(coord(0, m, n)) - r0, dc = get<1>(coord(0, m, n)) - c0;
-      float* dst = base + (dr / 16 * (kHeadDim / 8) + dc / 8) * 32 * 4;
+  float* base = dq_head + dq_frag_offset<kHeadDim>(row0 + get<0>(coord(0, 0, 0)),
+                                                   col0 + get<1>(coord(0, 0, 0)), lane);
+  for_each_dq_fragment<kHeadDim>(acc, coord, [&](int offset, int m, int n) {
+    const int i = m * size<2>(acc) + n;
+    if (i < kFrags * part / parts || i >= kFrags * (part + 1) / parts) return;
+    float* dst = base + offset;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      // A reduction, not atomicAdd(float4*): that one is an ATOMG whose (unused) result and
-      // branch around it cost more than the add.
-      asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(acc(0, m, n)),
-                   "f"(acc(1, m, n)), "f"(acc(2, m, n)), "f"(acc(3, m, n))
-                   : "memory");
+    // A reduction, not atomicAdd(float4*): that one is an ATOMG whose (unused) result and
+    // branch around it cost more than the add.
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(acc(0, m, n)),
+                 "f"(acc(1, m, n)), "f"(acc(2, m, n)), "f"(acc(3, m, n))
+                 : "memory");
 #else
 #pragma unroll
-      for (int v = 0; v < 4; ++v) atomicAdd(dst + v, acc(v, m, n));
+    for (int v = 0; v < 4; ++v) atomicAdd(dst + v, acc(v, m, n));
 #endif
-    }
-  }
+  });
 }
 
 // sm90, non-deterministic mode (where BwdTile::kdQBulk says so): a query tile's dQ goes to
@@ -82,17 +92,11 @@ __device__ __forceinline__ void dq_atomic_add(float* dq_head, Acc const& acc, Co
 template <int kCols, class Acc, class Coord>
 __device__ __forceinline__ void dq_stage(float* stage, Acc const& acc, Coord const& coord) {
   const int lane = threadIdx.x % 32;
-  const int r0 = get<0>(coord(0, 0, 0)), c0 = get<1>(coord(0, 0, 0));
-  float* base = stage + dq_frag_offset<kCols>(r0, c0, lane);
-#pragma unroll
-  for (int m = 0; m < size<1>(acc); ++m) {
-#pragma unroll
-    for (int n = 0; n < size<2>(acc); ++n) {
-      const int dr = get<0>(coord(0, m, n)) - r0, dc = get<1>(coord(0, m, n)) - c0;
-      *reinterpret_cast<float4*>(base + (dr / 16 * (kCols / 8) + dc / 8) * 32 * 4) =
-          make_float4(acc(0, m, n), acc(1, m, n), acc(2, m, n), acc(3, m, n));
-    }
-  }
+  float* base = stage + dq_frag_offset<kCols>(get<0>(coord(0, 0, 0)), get<1>(coord(0, 0, 0)), lane);
+  for_each_dq_fragment<kCols>(acc, coord, [&](int offset, int m, int n) {
+    *reinterpret_cast<float4*>(base + offset) =
+        make_float4(acc(0, m, n), acc(1, m, n), acc(2, m, n), acc(3, m, n));
+  });
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
