@@ -465,6 +465,17 @@ def test_dq_reds_not_deferred(sq, sk, h, hk, d, causal, monkeypatch):
     run_case(2, sq, sk, h, hk, d, torch.bfloat16, dict(causal=causal))
 
 
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("sq,sk,h,hk,d", [(1023, 1024, 6, 2, 256), (239, 517, 4, 4, 224),
+                                          (70, 3, 3, 1, 256)])
+def test_fwd_v_not_early(sq, sk, h, hk, d, causal, monkeypatch):
+    """The one-stage forward (hdim 256 on sm90) loads its first V tile with Q and K by default
+    (the other tests); FLASH_ATTN_FA2_FWD_V_EARLY=0 loads it once they have landed, like the
+    later tiles."""
+    monkeypatch.setenv("FLASH_ATTN_FA2_FWD_V_EARLY", "0")
+    run_case(2, sq, sk, h, hk, d, torch.bfloat16, dict(causal=causal))
+
+
 @pytest.mark.parametrize("mode", ["0", "1"])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("sq,sk,h,hk,d", [(1023, 1024, 6, 2, 64), (239, 517, 4, 4, 128)])

@@ -6,10 +6,19 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "common/params.h"
 
 namespace flash::fa2 {
+
+// A run-time switch of the kernels (FLASH_ATTN_FA2_*, for A/B benchmarks and for the tests of
+// the paths they turn off), read at every call: a getenv next to a kernel launch, so one
+// process can compare both settings. The launchers list theirs.
+inline bool env_flag(const char* name, bool fallback) {
+  const char* env = std::getenv(name);
+  return env == nullptr ? fallback : std::atoi(env) != 0;
+}
 
 // Rows of the per-row backward scratch (D, dQ accumulator) are padded to this.
 constexpr int kRowPad = 128;

@@ -20,17 +20,11 @@
 
 namespace flash::fa2 {
 
-// Run-time switches of the backward, for A/B benchmarks (benchmarks/ab_switch.py) and for the
-// tests of the paths they turn off. Read at every call (a getenv next to a kernel launch), so
-// one process can compare both settings.
+// Run-time switches of the backward (env_flag, fa2.h):
 //   FLASH_ATTN_FA2_BWD_DQ_BULK=0   no sm90 bulk dQ (fa2_bwd_dq.h): per-fragment reds
 //   FLASH_ATTN_FA2_BWD_DQ_DEFER=0  the reds of dQ's last chunk together, not spread over dK's
 //                                  GEMM (fa2_bwd_kernel.cuh)
 //   FLASH_ATTN_FA2_BWD_PDL=0|1     see bwd_chain below
-inline bool env_flag(const char* name, bool fallback) {
-  const char* env = std::getenv(name);
-  return env == nullptr ? fallback : std::atoi(env) != 0;
-}
 
 // How the backward's kernels follow each other, FLASH_ATTN_FA2_BWD_PDL: 0 = a memset of
 // dq_accum, then plain launches; 1 = the preprocess zeroes dq_accum, plain launches; 2

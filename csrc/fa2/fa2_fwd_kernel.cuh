@@ -10,8 +10,9 @@
 //   O += P V[n]                                         (tensor cores)
 // so each load has a whole step to land and a step has one barrier. With one stage (large
 // head dims on GPUs where two stages do not fit in shared memory) K and V alternate in their single buffers:
-// V[n] loads under S = Q K[n]^T, K[n-1] under O += P V[n]. Once at the end: O /= l,
-// lse = m + log l.
+// V[n] loads under S = Q K[n]^T, K[n-1] under O += P V[n]; the first V tile can instead load
+// with Q and K (FwdParams::v_in_prologue), so that the first step does not wait for it. Once at
+// the end: O /= l, lse = m + log l.
 #pragma once
 
 #include <cstdint>
@@ -154,13 +155,17 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
       load_kv(tVgV, tVsV_first, tiles.end - 1);
     }
     cp_async_fence();
+    if (Tr::kStages == 1 && p.v_in_prologue) {  // a group of its own: the first QK^T waits for Q, K only
+      load_kv(tVgV, tVsV, tiles.end - 1);
+      cp_async_fence();
+    }
 
     auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
       Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
       clear(acc_s);
       const int cur = Tr::kStages == 2 ? n & 1 : 0;
-      cp_async_wait<0>();
       if constexpr (Tr::kStages == 2) {
+        cp_async_wait<0>();
         __syncthreads();  // K[n], V[n] landed; every warp is done with step n+1's buffers
         if (n > tiles.begin) {
           Tensor tKsK_next = stage(tKsK, cur ^ 1);
@@ -169,7 +174,11 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
           load_kv(tVgV, tVsV_next, n - 1);
           cp_async_fence();
         }
+      } else if (decltype(first)::value && p.v_in_prologue) {
+        cp_async_wait<1>();
+        __syncthreads();  // Q, K[n] landed (V[n] may still be loading)
       } else {
+        cp_async_wait<0>();
         __syncthreads();  // K[n] landed; every warp is done with V[n+1]
         load_kv(tVgV, tVsV, n);
         cp_async_fence();
@@ -227,7 +236,8 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   auto smem_store_thr = smem_store.get_thread_slice(tid);
   Tensor taccOrO = smem_store_thr.retile_S(rO);
   Tensor taccOsO = smem_store_thr.partition_D(sO);
-  __syncthreads();  // every warp is done reading Q from shared memory before O replaces it
+  // No barrier: a warp writes here the rows of O it holds, which are the rows of Q that it,
+  // and no other warp, read (the MMA's warps split M).
   copy(smem_store, taccOrO, taccOsO);
 
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));

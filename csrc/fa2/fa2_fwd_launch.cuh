@@ -11,8 +11,13 @@
 
 namespace flash::fa2 {
 
+// Run-time switches of the forward (env_flag, fa2.h):
+//   FLASH_ATTN_FA2_FWD_V_EARLY=0   one stage: the first V tile loads after Q and K have landed,
+//                                  like the others, not with them (fa2_fwd_kernel.cuh)
 template <class Tr>
-void launch_fwd(const FwdParams& p, cudaStream_t stream) {
+void launch_fwd(const FwdParams& params, cudaStream_t stream) {
+  FwdParams p = params;
+  p.v_in_prologue = Tr::kStages == 1 && env_flag("FLASH_ATTN_FA2_FWD_V_EARLY", true);
   const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   // A query tile reads its KV head's K and V, shared by heads_per_kv query heads.
   const int heads_per_kv = p.heads / p.heads_k;

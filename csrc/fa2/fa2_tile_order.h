@@ -91,13 +91,12 @@ int64_t resident_blocks(Kernel kernel, int threads, int smem_bytes, int num_sms)
 }
 
 // resident_blocks: blocks of this kernel the whole GPU runs at once.
-// FLASH_ATTN_FA2_HEAD_GROUP=N (read once per process) overrides the group, for benchmarking.
+// FLASH_ATTN_FA2_HEAD_GROUP=N (read at every call, so benchmarks/ab_switch.py can compare
+// settings in one process) overrides the group; 0 or unset: the rule above.
 inline TileOrder tile_order(int tiles, int batch, int heads, int heads_per_kv,
                             int64_t bytes_per_head, int l2_bytes, int64_t resident_blocks) {
-  static const int64_t forced = [] {
-    const char* env = std::getenv("FLASH_ATTN_FA2_HEAD_GROUP");
-    return env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t(0);
-  }();
+  const char* env = std::getenv("FLASH_ATTN_FA2_HEAD_GROUP");
+  const int64_t forced = env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t(0);
   TileOrder o;
   o.tiles = tiles;
   o.batch_heads = int64_t(batch) * heads;
