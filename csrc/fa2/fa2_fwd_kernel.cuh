@@ -236,8 +236,11 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   auto smem_store_thr = smem_store.get_thread_slice(tid);
   Tensor taccOrO = smem_store_thr.retile_S(rO);
   Tensor taccOsO = smem_store_thr.partition_D(sO);
-  // No barrier: a warp writes here the rows of O it holds, which are the rows of Q that it,
-  // and no other warp, read (the MMA's warps split M).
+  // No block barrier: a warp writes here the rows of O it holds, which are the rows of Q that
+  // it, and no other warp, read (the MMA's warps split M). Within the warp the lanes that
+  // gave ldmatrix a row's address are not the lanes that store that row of O: __syncwarp
+  // orders the two (racecheck reports the pair as a hazard without it).
+  __syncwarp();
   copy(smem_store, taccOrO, taccOsO);
 
   Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
