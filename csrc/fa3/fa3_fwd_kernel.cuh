@@ -1,0 +1,254 @@
+// FA3 forward, v0 (issue 4; plan in benchmarks/results/fa3_notes.md): one CTA per (128-row
+// query tile, batch, head), three warpgroups. Warpgroup 0 produces: one thread issues TMA
+// loads of Q (once) and of K and V into a ring of kStages buffers guarded by mbarriers
+// (CUTLASS's PipelineTmaAsync). Warpgroups 1 and 2 consume, 64 query rows each (the WGMMA M):
+//   S = Q K[n]^T        SS WGMMA from shared memory
+//   mask, online softmax (FA2's Softmax and Mask: the same conventions)
+//   O += P V[n]         RS WGMMA, P from registers, V read MN-major from shared memory
+// No overlap beyond the TMA ring yet (v0: correctness first; fa3_notes.md lists the steps).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "common/params.h"
+#include "fa2/fa2_mask.h"
+#include "fa2/fa2_softmax.h"
+
+namespace flash::fa3 {
+
+using namespace cute;
+
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kStages = kStages_;
+  static constexpr int kConsumers = 2;              // warpgroups, 64 rows each
+  static constexpr int kBlockM = 64 * kConsumers;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+
+  using ShapeS = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;   // one warpgroup's S = Q K^T
+  using ShapeO = Shape<_64, Int<kHeadDim>, Int<kBlockN>>;   // one warpgroup's O += P V
+  using MmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, ShapeS>()));
+  using MmaO = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, ShapeO, GMMA::Major::K, GMMA::Major::MN>()));
+
+  // Q, K, V in shared memory as they are in global: rows of hdim, 128-byte swizzle. V viewed
+  // as (hdim, keys) is the MN-major B operand of P V, so no transpose is needed.
+  using SmemQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                       Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                        Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemVt = decltype(composition(
+      SmemKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                    Step<_2, _1, _3>{})));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> v;
+    typename Pipeline::SharedStorage pipe_k, pipe_v;
+    alignas(8) uint64_t q_full;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+};
+
+// The TMA descriptors, built by the launcher over (seqlen, head_dim, heads, batch) views.
+template <class TmaQ, class TmaK, class TmaV>
+struct FwdTma {
+  TmaQ q;
+  TmaK k;
+  TmaV v;
+};
+
+// An SM90 accumulator ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) seen as (rows, cols).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto rowcol(Layout const& acc) {
+  static_assert(rank(Layout{}) == 3);
+  auto atom = get<0>(acc);
+  return make_layout(make_layout(get<1>(atom), get<1>(acc)),
+                     make_layout(get<0>(atom), get<2>(atom), get<2>(acc)));
+}
+
+// The S accumulator converted to 16 bits, as the A operand of the RS WGMMA: each k16 slice
+// is two adjacent n8 blocks. ((2, 2, N/8), M, N) -> ((2, 2, 2), M, (N/16, N)).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(Layout const& acc) {
+  auto split = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, N/16))
+  return make_layout(make_layout(get<0>(split), get<1>(split), get<2, 0>(split)), get<1>(acc),
+                     make_layout(get<2, 1>(split), get<2>(acc)));
+}
+
+// One warpgroup's GEMM, issued and committed (not waited for). kZero: C = A B, else C += A B.
+template <bool kZero, class Mma, class A, class B, class C>
+__device__ __forceinline__ void wgmma(Mma& mma, A const& a, B const& b, C& c) {
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = kZero ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+}
+
+template <class Tr, class Tma>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Tma tma) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Element = typename Tr::Element;
+  using Pipeline = typename Tr::Pipeline;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& shared = *reinterpret_cast<typename Tr::SharedStorage*>(smem_raw);
+
+  const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int head_k = head / (p.heads / p.heads_k);
+  const int row0 = m_block * kBlockM;
+  const int wg = threadIdx.x / 128, wg_tid = threadIdx.x % 128;
+  const flash::fa2::Mask mask(p);
+  const flash::fa2::KeyTiles tiles = mask.key_tiles<kBlockM, kBlockN>(row0);
+
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
+  Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemVt{});
+
+  typename Pipeline::Params pipe_params;
+  pipe_params.role = wg == 0 ? Pipeline::ThreadCategory::Producer
+                             : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = 128 * Tr::kConsumers;
+  pipe_params.transaction_bytes = Tr::kTmaBytesKV;
+  Pipeline pipe_k(shared.pipe_k, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipe_v(shared.pipe_v, pipe_params, Shape<_1, _1, _1>{});
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&shared.q_full, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();  // barriers initialised before anyone waits on them
+
+  if (wg == 0) {
+    // ---- producer ----------------------------------------------------------------------
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (wg_tid == 0 && !tiles.empty()) {
+      Tensor mQ = tma.q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.heads, p.batch));
+      Tensor mK = tma.k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.heads_k, p.batch));
+      Tensor mV = tma.v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.heads_k, p.batch));
+      Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(m_block, 0));
+      Tensor gK = local_tile(mK(_, _, head_k, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                             make_coord(_, 0));  // (BN, hdim, n)
+      Tensor gV = local_tile(mV(_, _, head_k, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                             make_coord(_, 0));
+      Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
+      auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
+      auto [tKg, tKs] = tma_partition(tma.k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                      group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                      group_modes<0, 2>(gV));
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.q_full,
+                                                                     Tr::kTmaBytesQ);
+      copy(tma.q.with(shared.q_full), tQg, tQs);
+      auto state = cutlass::make_producer_start_state<Pipeline>();
+      for (int n = tiles.end - 1; n >= tiles.begin; --n) {
+        pipe_k.producer_acquire(state);
+        copy(tma.k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n), tKs(_, state.index()));
+        pipe_v.producer_acquire(state);
+        copy(tma.v.with(*pipe_v.producer_get_barrier(state)), tVg(_, n), tVs(_, state.index()));
+        ++state;
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: warpgroup wg - 1 owns rows [64 (wg - 1), +64) of the tile ---------------
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int cw = wg - 1;
+  typename Tr::MmaS mma_s;
+  typename Tr::MmaO mma_o;
+  auto thr_s = mma_s.get_thread_slice(wg_tid);
+  auto thr_o = mma_o.get_thread_slice(wg_tid);
+  Tensor sQ_wg = local_tile(sQ, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ_wg);  // descriptors
+  Tensor tSrK = thr_s.partition_fragment_B(sK);     // (MMA, N, K, stage)
+  Tensor tOrVt = thr_o.partition_fragment_B(sVt);   // (MMA, N, K, stage)
+
+  Tensor acc_o = partition_fragment_C(mma_o, Shape<_64, Int<kHeadDim>>{});
+  clear(acc_o);
+  Tensor acc_o_rc = make_tensor(acc_o.data(), rowcol(acc_o.layout()));
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
+  Tensor cS_rc = make_tensor(cS.data(), rowcol(cS.layout()));
+  const int wg_row0 = row0 + 64 * cw;
+
+  flash::fa2::Softmax<2> softmax;
+  if (!tiles.empty()) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&shared.q_full, 0);
+    cutlass::PipelineState<Tr::kStages> state;
+    auto step = [&](int n, auto first, auto masked) {
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});
+      pipe_k.consumer_wait(state);
+      wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+      warpgroup_wait<0>();
+      pipe_k.consumer_release(state);
+      Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
+      if constexpr (decltype(masked)::value) mask.apply(s_rc, cS_rc, wg_row0, n * kBlockN);
+      softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, p.softmax_scale_log2);
+      Tensor rP = make_tensor_like<Element>(acc_s);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) rP(i) = Element(acc_s(i));
+      Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+      pipe_v.consumer_wait(state);
+      wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, state.index()), acc_o);
+      warpgroup_wait<0>();
+      pipe_v.consumer_release(state);
+      ++state;
+    };
+    int n = tiles.end - 1;
+    if (n >= tiles.unmasked_end || n < tiles.unmasked_begin) {
+      step(n, std::true_type{}, std::true_type{});
+    } else {
+      step(n, std::true_type{}, std::false_type{});
+    }
+    for (--n; n >= tiles.unmasked_end; --n) step(n, std::false_type{}, std::true_type{});
+    for (; n >= tiles.unmasked_begin; --n) step(n, std::false_type{}, std::false_type{});
+    for (; n >= tiles.begin; --n) step(n, std::false_type{}, std::true_type{});
+  } else {
+    for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
+  }
+
+  // ---- epilogue: O /= l, straight from registers to global (v0), and the lse -------------
+  float lse[2];
+  softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);
+  if (tiles.empty()) clear(acc_o);
+  Element* o = static_cast<Element*>(p.o) + batch * p.o_strides.batch + head * p.o_strides.head;
+  Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+  Tensor cO_rc = make_tensor(cO.data(), rowcol(cO.layout()));
+  CUTE_UNROLL
+  for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
+    const int row = wg_row0 + get<0>(cO_rc(mi, 0));
+    if (row >= p.seqlen_q) continue;
+    CUTE_UNROLL
+    for (int ci = 0; ci < size<1>(acc_o_rc); ci += 2) {  // column pairs
+      const int col = get<1>(cO_rc(mi, ci));
+      if (col < p.head_dim) {
+        Element pair[2] = {Element(acc_o_rc(mi, ci)), Element(acc_o_rc(mi, ci + 1))};
+        *reinterpret_cast<uint32_t*>(o + int64_t(row) * p.o_strides.row + col) =
+            *reinterpret_cast<uint32_t*>(pair);
+      }
+    }
+    if (get<1>(cO_rc(mi, 0)) == 0) {
+      p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + row] = lse[mi];
+    }
+  }
+#endif
+}
+
+}  // namespace flash::fa3
