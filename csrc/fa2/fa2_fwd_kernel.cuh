@@ -210,16 +210,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
       gemm_rs(acc_o, tOrP, tOrVt, stage(tOsVt, cur), mma, ldsm_vt);
     };
 
-    // Tiles from the top: masked ones above the diagonal band, unmasked, masked ones below.
-    int n = tiles.end - 1;
-    if (n >= tiles.unmasked_end || n < tiles.unmasked_begin) {
-      step(n, std::true_type{}, std::true_type{});
-    } else {
-      step(n, std::true_type{}, std::false_type{});
-    }
-    for (--n; n >= tiles.unmasked_end; --n) step(n, std::false_type{}, std::true_type{});
-    for (; n >= tiles.unmasked_begin; --n) step(n, std::false_type{}, std::false_type{});
-    for (; n >= tiles.begin; --n) step(n, std::false_type{}, std::true_type{});
+    walk_key_tiles(tiles, step);
   } else {
     // No row of this tile sees a key: O = 0, lse = +inf, like a row masked entirely.
     for (int mi = 0; mi < Tr::kRowsPerThread; ++mi) softmax.row_sum[mi] = 0.f;

@@ -17,7 +17,7 @@ namespace flash::fa2 {
 template <class Tr>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   FwdParams p = params;
-  p.v_in_prologue = Tr::kStages == 1 && env_flag("FLASH_ATTN_FA2_FWD_V_EARLY", true);
+  p.v_in_prologue = env_flag("FLASH_ATTN_FA2_FWD_V_EARLY", true);  // one-stage kernels read it
   const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   // A query tile reads its KV head's K and V, shared by heads_per_kv query heads.
   const int heads_per_kv = p.heads / p.heads_k;

@@ -201,9 +201,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
       if constexpr (decltype(masked)::value) mask.apply(s_rc, cS_rc, wg_row0, n * kBlockN);
       softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, p.softmax_scale_log2);
-      Tensor rP = make_tensor_like<Element>(acc_s);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) rP(i) = Element(acc_s(i));
+      Tensor rP = flash::fa2::convert_fragment<Element>(acc_s);
       Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
       pipe_v.consumer_wait(state);
       wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, state.index()), acc_o);
@@ -211,15 +209,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       pipe_v.consumer_release(state);
       ++state;
     };
-    int n = tiles.end - 1;
-    if (n >= tiles.unmasked_end || n < tiles.unmasked_begin) {
-      step(n, std::true_type{}, std::true_type{});
-    } else {
-      step(n, std::true_type{}, std::false_type{});
-    }
-    for (--n; n >= tiles.unmasked_end; --n) step(n, std::false_type{}, std::true_type{});
-    for (; n >= tiles.unmasked_begin; --n) step(n, std::false_type{}, std::false_type{});
-    for (; n >= tiles.begin; --n) step(n, std::false_type{}, std::true_type{});
+    flash::fa2::walk_key_tiles(tiles, step);
   } else {
     for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
   }
