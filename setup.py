@@ -90,7 +90,8 @@ def _cuda_extension():
     torch_requirement = _torch_requirement(torch)
     configs = build_matrix.selected_configs()
     archs = build_matrix.cuda_archs()
-    kernel_sources = build_matrix.write_sources(ROOT / "csrc" / "generated", configs)
+    ptx = build_matrix.ptx_arch()  # the "+PTX" entry (sm90 when unset), None for none
+    kernel_sources = build_matrix.write_sources(ROOT / "csrc" / "generated", configs, archs, ptx)
     api_sources = sorted(glob.glob("csrc/api/*.cpp"))
     if not api_sources:
         sys.exit("flash-attn: csrc/api/*.cpp is missing (the torch glue, flash_api.cpp).")
@@ -98,7 +99,8 @@ def _cuda_extension():
     sources = api_sources + COMMON_SOURCES + [os.path.relpath(p, ROOT) for p in kernel_sources]
 
     print(f"flash-attn {_version()}: building flash_attn._C for "
-          f"{' '.join(f'sm{a}' for a in archs)}, {len(configs)} kernels "
+          f"{' '.join(f'sm{a}' for a in archs)} ({f'+ PTX of sm{ptx}' if ptx else 'no PTX'}), "
+          f"{len(configs)} kernels "
           f"(torch {torch.__version__}, CUDA {torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME}, "
           f"MAX_JOBS={os.environ.get('MAX_JOBS', 'all cores')}); the wheel requires {torch_requirement}:")
     for c in configs:
@@ -110,6 +112,12 @@ def _cuda_extension():
         "-std=c++17",
         "--use_fast_math",
         "-lineinfo",
+        # CUTLASS's pipeline debug checks put a branch into every mbarrier wait, and ptxas waits
+        # for all WGMMAs before it: no FA3 overlap survives them (fa3_notes.md, session 10).
+        "-DNDEBUG",
+        # WGMMA shapes with N not a power of two (N = 80, 112, ...); without it CuTe tiles such
+        # an FA3 key tile with N = 16 instructions (fa3_notes.md, session 10).
+        "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
         "--expt-relaxed-constexpr",
         # torch's COMMON_NVCC_FLAGS hide the half / bfloat16 operators; the kernels use them.
         "-U__CUDA_NO_HALF_OPERATORS__",
@@ -117,7 +125,8 @@ def _cuda_extension():
         "-U__CUDA_NO_HALF2_OPERATORS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__",
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-        *build_matrix.gencode_flags(archs),  # an explicit -gencode keeps TORCH_CUDA_ARCH_LIST out
+        # Explicit -gencode flags keep TORCH_CUDA_ARCH_LIST out.
+        *build_matrix.gencode_flags(archs, ptx),
     ]
     extension = cpp_extension.CUDAExtension(
         name="flash_attn._C",
@@ -136,7 +145,8 @@ def _cuda_extension():
                 ok = True
             finally:
                 print(f"flash-attn: {'built' if ok else 'FAILED to build'} flash_attn._C "
-                      f"({len(configs)} kernels x {len(archs)} archs) in "
+                      f"({len(configs)} kernels x {len(archs)} archs"
+                      f"{' + PTX' if ptx else ''}) in "
                       f"{time.perf_counter() - start:.1f} s")
 
     return extension, TimedBuildExtension.with_options(use_ninja=True), torch_requirement

@@ -2,12 +2,20 @@
 
 Automatic choice walks ``build_matrix.PREFERENCE`` (best first) and takes the first family that
 is implemented, built into this ``flash_attn._C``, runs on the device's arch / dtype / head dim
-(``build_matrix.supports``), has machine code or PTX for an arch it supports that runs on
-the device (``build_matrix.kernel_runs_on``: fa2 built for sm75 only is empty) and has every
-feature the call uses. That gives sm90 -> fa3, sm80..89 -> fa2, sm75 -> fa1 when those are
-built (fa3 is not implemented yet: sm90 -> fa2). When the arch's first choice is skipped, a
-``BackendFallbackWarning`` says which family runs instead and why, once per distinct
-(arch, dtype, head dim, features, request).
+(``build_matrix.supports``: from its min_arch up to its max_arch, if it has one), has machine
+code or PTX for an arch it supports that runs on the device (``build_matrix.kernel_runs_on``:
+fa2 built for sm75 only is empty, fa3 runs from sm_90a machine code only; the build carries PTX
+only of its ``+PTX`` target, ``ptx_arch()``) and has every feature the call uses. That gives
+sm90 -> fa3, sm80..89 and sm100+ (from the PTX of a default build) -> fa2, sm75 -> fa1 when
+those are built. When the arch's first choice is skipped, a ``BackendFallbackWarning`` says
+which family runs instead and why, once per distinct (arch, dtype, head dim, features,
+request): on sm90 a call with dropout runs fa2 ("fa3 does not support dropout_p > 0").
+
+The family returned is the forward's. Its gradient runs the kernels of
+``build_matrix.backward_family(family)``: a family's own backward, except fa3, which has only a
+forward and whose gradient is fa2's backward (same O / LSE conventions). A call that needs a
+backward can run a family only if that backward family is built, runs on the device and
+supports the call too.
 
 A family is forced with ``FLASH_ATTN_BACKEND=auto|fa1|fa2|fa3`` (read at call time) or per call
 with ``backend=`` (which wins). A forced family that cannot run the call is an error naming the
@@ -64,8 +72,8 @@ _ARCH_CACHE: dict = {}
 
 
 def built_archs() -> Tuple[int, ...]:
-    """The archs ``flash_attn._C`` has machine code for (the last also as PTX); () if the
-    extension predates ``built_archs`` (then nothing is ruled out by arch)."""
+    """The archs ``flash_attn._C`` has machine code for; () if the extension predates
+    ``built_archs`` (then nothing is ruled out by arch)."""
     ext = _ops.extension()
     archs = _BUILT_CACHE.get((ext, "archs"))
     if archs is None:
@@ -74,13 +82,45 @@ def built_archs() -> Tuple[int, ...]:
     return archs
 
 
+def ptx_arch() -> Optional[int]:
+    """The arch whose portable PTX ``flash_attn._C`` carries (its FLASH_ATTN_CUDA_ARCHS entry
+    marked +PTX), None if none. An extension that predates ``ptx_arch`` carried the PTX of its
+    newest target, as every build did then."""
+    ext = _ops.extension()
+    key = (ext, "ptx")
+    if key not in _BUILT_CACHE:
+        get = getattr(ext, "ptx_arch", None)
+        if get is None:
+            archs = built_archs()
+            _BUILT_CACHE[key] = max(archs) if archs else None
+        else:
+            _BUILT_CACHE[key] = int(get()) or None
+    return _BUILT_CACHE[key]
+
+
+def _targets_text(archs: Iterable[int], ptx: Optional[int]) -> str:
+    """A build's targets as messages name them: "machine code for sm80, sm90 and no PTX"."""
+    code = f"machine code for {', '.join(f'sm{a}' for a in archs)}"
+    return f"{code} and {'no PTX' if ptx is None else f'PTX of sm{ptx}'}"
+
+
+def _rebuild_hint(arch: int, archs: Tuple[int, ...], ptx: Optional[int], min_arch: int) -> str:
+    """How to rebuild so that code for sm``min_arch``+ runs on ``arch``: machine code for it,
+    or PTX of the newest target it can JIT (when that target is at least min_arch)."""
+    hint = f"rebuild with FLASH_ATTN_CUDA_ARCHS including {arch}"
+    jit = [a for a in archs if min_arch <= a <= arch]
+    if jit and max(jit) != ptx:
+        hint += f", or with {max(jit)}+PTX (PTX that sm{arch} JIT-compiles)"
+    return hint
+
+
 def runs_here(arch: int) -> Optional[str]:
     """None if this build has code that runs on ``arch``, else why not."""
-    archs = built_archs()
-    if not archs or build_matrix.runs_on(arch, archs):
+    archs, ptx = built_archs(), ptx_arch()
+    if not archs or build_matrix.runs_on(arch, archs, ptx=ptx):
         return None
-    return (f"this build has machine code for {', '.join(f'sm{a}' for a in archs)} only, none of "
-            f"which runs on sm{arch}; rebuild with FLASH_ATTN_CUDA_ARCHS including {arch}")
+    return (f"this build has {_targets_text(archs, ptx)}, none of which runs on sm{arch}; "
+            f"{_rebuild_hint(arch, archs, ptx, 0)}")
 
 
 def built_configs() -> frozenset:
@@ -129,34 +169,71 @@ def requested_backend(backend: Optional[str]) -> Optional[str]:
 
 def why_not(family: str, arch: int, dtype: str, hdim: int, features: Iterable[str],
             directions: Tuple[str, ...], built: frozenset,
-            archs: Iterable[int] = ()) -> Optional[str]:
-    """None if ``family`` can run the call, else the reason it cannot. ``archs``: the build's
-    target archs (``built_archs()``); empty means unknown, nothing ruled out by them."""
+            archs: Iterable[int] = (), ptx: Optional[int] = None) -> Optional[str]:
+    """None if ``family`` can run the call, else the reason it cannot. ``directions``: "fwd"
+    and, for a call that needs a gradient, "bwd", which runs the kernels of ``family``'s
+    backward family. ``archs``: the build's target archs (``built_archs()``); empty means
+    unknown, nothing ruled out by them. ``ptx``: the arch whose PTX the build carries
+    (``ptx_arch()``), None for none."""
     if family not in build_matrix.FAMILIES:
         return (f"{family} is not implemented in this version of flash_attn (implemented: "
                 f"{', '.join(sorted(build_matrix.FAMILIES))})")
-    missing = sorted(set(features) - build_matrix.FAMILIES[family].features)
-    if missing:
-        return f"{family} does not support {', '.join(_FEATURE_TEXT[m] for m in missing)}"
-    reason = build_matrix.supports(family, dtype, hdim, arch)
-    if reason is not None:
-        return reason
-    padded = -(-hdim // 8) * 8
+    features = frozenset(features)
     archs = tuple(archs)
     for direction in directions:
-        kernels = [c for c in built if c.family == family and c.direction == direction
-                   and c.dtype == dtype and c.hdim >= padded and c.min_arch <= arch]
-        if not kernels:
-            return (f"this build has no {family} {direction} kernel for {dtype} head dim {hdim} "
-                    f"(built: {_summary(built, family)}); rebuild with FLASH_ATTN_FAMILIES / "
-                    f"FLASH_ATTN_DTYPES / FLASH_ATTN_HDIMS including it")
-        if archs and not any(build_matrix.kernel_runs_on(c.min_arch, arch, archs)
-                             for c in kernels):
-            need = min(c.min_arch for c in kernels)
-            return (f"this build's {family} {dtype} kernels need code for sm{need}+ that runs "
-                    f"on sm{arch}, and its targets are {', '.join(f'sm{a}' for a in archs)}; "
-                    f"rebuild with FLASH_ATTN_CUDA_ARCHS including {arch}")
+        owner = family if direction == "fwd" else build_matrix.backward_family(family)
+        reason = _why_not_kernels(owner, direction, family, arch, dtype, hdim, features, built,
+                                  archs, ptx)
+        if reason is not None:
+            return reason
     return None
+
+
+def _why_not_kernels(family: str, direction: str, forward_family: str, arch: int, dtype: str,
+                     hdim: int, features: frozenset, built: frozenset,
+                     archs: Tuple[int, ...], ptx: Optional[int]) -> Optional[str]:
+    """None if ``family``'s ``direction`` kernels can run the call, else why not.
+    ``forward_family``: the family whose forward the call runs (another one when these
+    kernels compute its gradient)."""
+    fam = build_matrix.FAMILIES[family]
+    kernel = f"{family} {direction} kernel"
+    if forward_family != family:
+        kernel += f" (which computes {forward_family}'s gradient)"
+    missing = sorted(features - fam.features)
+    reason = (f"{family} does not support {', '.join(_FEATURE_TEXT[m] for m in missing)}"
+              if missing else build_matrix.supports(family, dtype, hdim, arch))
+    if reason is not None:
+        return reason if forward_family == family else f"the {kernel}: {reason}"
+    padded = -(-hdim // 8) * 8
+    kernels = [c for c in built if c.family == family and c.direction == direction
+               and c.dtype == dtype and c.hdim >= padded and c.min_arch <= arch]
+    if not kernels:
+        return (f"this build has no {kernel} for {dtype} head dim {hdim} "
+                f"(built: {_summary(built, family)}); rebuild with FLASH_ATTN_FAMILIES / "
+                f"FLASH_ATTN_DTYPES / FLASH_ATTN_HDIMS including it")
+    if archs and not any(build_matrix.kernel_runs_on(c.min_arch, arch, archs, fam.max_arch,
+                                                     ptx=ptx)
+                         for c in kernels):
+        need = min(c.min_arch for c in kernels)
+        which = (f"{family} {dtype} kernels" if forward_family == family else
+                 f"{family} {dtype} {direction} kernels (which compute {forward_family}'s "
+                 f"gradient)")
+        if fam.max_arch is not None:
+            # Only machine code counts: the PTX lacks the arch-specific instructions.
+            return (f"this build's {which} need {_arch_range(fam, need)} machine code, and its "
+                    f"targets are {', '.join(f'sm{a}' for a in archs)}; rebuild with "
+                    f"FLASH_ATTN_CUDA_ARCHS including {arch}")
+        return (f"this build's {which} need code for sm{need}+ that runs on sm{arch}, and it "
+                f"has {_targets_text(archs, ptx)}; {_rebuild_hint(arch, archs, ptx, need)}")
+    return None
+
+
+def _arch_range(fam: build_matrix.Family, low: Optional[int] = None) -> str:
+    """The GPUs a family runs on, as an error message names them: "sm80+", "sm90"."""
+    low = fam.min_arch if low is None else low
+    if fam.max_arch is None:
+        return f"sm{low}+"
+    return f"sm{low}" if low == fam.max_arch else f"sm{low}-sm{fam.max_arch}"
 
 
 def _summary(built: frozenset, family: str) -> str:
@@ -165,23 +242,30 @@ def _summary(built: frozenset, family: str) -> str:
 
 
 def preferred_family(arch: int) -> Optional[str]:
-    """The family an arch should run when everything is built, e.g. 90 -> fa3 once it exists."""
+    """The family an arch should run when everything is built: 90 -> fa3, 100 -> fa2."""
     for name in build_matrix.PREFERENCE:
         family = build_matrix.FAMILIES.get(name)
-        if family is not None and arch >= family.min_arch:
+        if family is not None and _arch_in(family, arch):
             return name
     return None
 
 
+def _arch_in(family: build_matrix.Family, arch: int) -> bool:
+    """Whether ``arch`` is in the family's range, min_arch to max_arch (if it has one)."""
+    return family.min_arch <= arch and (family.max_arch is None or arch <= family.max_arch)
+
+
 def choose(arch: int, dtype: str, hdim: int, features: Iterable[str],
            requested: Optional[str] = None, *, need_bwd: bool = False,
-           built: frozenset = frozenset(), archs: Iterable[int] = ()) -> str:
+           built: frozenset = frozenset(), archs: Iterable[int] = (),
+           ptx: Optional[int] = None) -> str:
     """The family that runs the call; raises NotImplementedError when none can (or the forced
-    one cannot). ``hdim`` is the caller's head dim, before padding to a multiple of 8."""
+    one cannot). ``hdim`` is the caller's head dim, before padding to a multiple of 8;
+    ``archs`` / ``ptx``: the build's targets, as ``why_not`` takes them."""
     features = frozenset(features)
     directions = ("fwd", "bwd") if need_bwd else ("fwd",)
     archs = tuple(archs)
-    reasons = {f: why_not(f, arch, dtype, hdim, features, directions, built, archs)
+    reasons = {f: why_not(f, arch, dtype, hdim, features, directions, built, archs, ptx)
                for f in build_matrix.PREFERENCE}
     runnable = [f for f in build_matrix.PREFERENCE if reasons[f] is None]
     what = (f"sm{arch}, {dtype}, head dim {hdim}, {'fwd+bwd' if need_bwd else 'fwd'}, "
@@ -221,7 +305,7 @@ def _none_runs_it(features: frozenset) -> str:
     if len(having) < len(families):
         # Some family lacks a feature of the call: say which ones have them all, and where.
         return (f"No backend in this build runs it; the families with every feature of this "
-                f"call: {', '.join(f'{f} (sm{families[f].min_arch}+)' for f in having)}.")
+                f"call: {', '.join(f'{f} ({_arch_range(families[f])})' for f in having)}.")
     return "No backend in this build runs it."
 
 
@@ -238,18 +322,18 @@ def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Op
     wrapped in a dynamo error, so errors are returned here and raised by traced code."""
     try:
         built = built_configs()
-        archs = built_archs()
+        archs, ptx = built_archs(), ptx_arch()
         wrong_arch = runs_here(arch)
     except RuntimeError as e:
         return ("", "RuntimeError", str(e))
     if wrong_arch is not None:
         return ("", "RuntimeError", f"flash_attn: {wrong_arch}")
-    key = (arch, dtype, hdim, features, requested, need_bwd, built, archs)
+    key = (arch, dtype, hdim, features, requested, need_bwd, built, archs, ptx)
     decision = _DECISIONS.get(key)
     if decision is None:
         try:
             decision = (choose(arch, dtype, hdim, features, requested, need_bwd=need_bwd,
-                               built=built, archs=archs), "", "")
+                               built=built, archs=archs, ptx=ptx), "", "")
         except NotImplementedError as e:
             decision = ("", "NotImplementedError", str(e))
         _DECISIONS[key] = decision
@@ -295,9 +379,12 @@ def available_backends(device=None) -> List[str]:
     arch = device_arch(torch.cuda.current_device() if device is None else device)
     if runs_here(arch) is not None:
         return []
-    archs = built_archs()
+    archs, ptx = built_archs(), ptx_arch()
+    families = build_matrix.FAMILIES
+    # The forward's kernels decide: a family whose gradient runs elsewhere is still listed.
     return [f for f in build_matrix.PREFERENCE
-            if f in build_matrix.FAMILIES and arch >= build_matrix.FAMILIES[f].min_arch
+            if f in families and _arch_in(families[f], arch)
             and any(c.family == f and c.direction == "fwd" and c.min_arch <= arch
-                    and (not archs or build_matrix.kernel_runs_on(c.min_arch, arch, archs))
+                    and (not archs or build_matrix.kernel_runs_on(c.min_arch, arch, archs,
+                                                                  families[f].max_arch, ptx=ptx))
                     for c in built)]

@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from . import build_matrix   # standard library only: cheap at import time
+
 _EXTENSION = "flash_attn._C"
 
 NO_EXTENSION = (
@@ -125,7 +127,8 @@ def bwd(dout, q, k, v, out, lse, rng_state, softmax_scale, causal, window_left, 
 
 def run_bwd(dout, q, k, v, out, lse, rng_state, softmax_scale, causal, window_left, window_right,
             softcap, alibi_slopes, dropout_p, deterministic, backend):
-    """flash_attn::bwd's computation, called by the op and by the eager path."""
+    """flash_attn::bwd's computation, called by the op and by the eager path. ``backend`` is
+    the family whose backward kernels run: fa2 for the gradient of an fa3 forward."""
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     if dq.numel() == 0 or dk.numel() == 0:
         # Nothing attends (no query or no key): every gradient is zero.
@@ -159,7 +162,7 @@ def _setup_context(ctx, inputs, output):
     ctx.softcap = softcap
     ctx.dropout_p = dropout_p
     ctx.deterministic = deterministic
-    ctx.backend = backend
+    ctx.backend = backend   # the forward's family; _backward_with maps it to its backward's
     # The kernels have no gradient through the log-sum-exp (as in flash_attn 2.x): say so, rather
     # than let a loss on lse silently get a zero gradient. rng_state is bookkeeping.
     ctx.mark_non_differentiable(lse, rng_state)
@@ -169,10 +172,12 @@ def _backward_with(bwd_fn, ctx, dout):
     q, k, v, out, lse, rng_state, alibi_slopes = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
+    # A forward-only family (fa3) has its gradient computed by another family's backward
+    # (fa2), which reads the same O and LSE; dispatch checked that those kernels are built.
     dq, dk, dv = bwd_fn(
         dout, q, k, v, out, lse, rng_state, ctx.softmax_scale, ctx.causal, ctx.window_left,
         ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, ctx.deterministic,
-        ctx.backend)
+        build_matrix.backward_family(ctx.backend))
     # No gradient for the scalars, and none for alibi_slopes (as in flash_attn 2.x).
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 

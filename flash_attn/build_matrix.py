@@ -22,8 +22,17 @@ DTYPES = ("fp16", "bf16")
 CXX_TYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 
 # Archs whose machine code a default build contains: Turing, Ampere, Hopper. sm80 SASS does not
-# run on sm90, so each target gets its own.
+# run on sm90, so each target gets its own. A default build also carries the PTX of the newest
+# (what a wheel needs for a GPU newer than any target); an explicit FLASH_ATTN_CUDA_ARCHS has
+# PTX only for an entry marked "+PTX" (torch's TORCH_CUDA_ARCH_LIST convention), because the
+# PTX pass roughly doubles each file's compile time.
 DEFAULT_ARCHS = (75, 80, 90)
+DEFAULT_PTX_ARCH = max(DEFAULT_ARCHS)
+
+# Targets compiled as their arch-specific variant ("a"): sm90's machine code is sm_90a, which
+# has wgmma and setmaxnreg (fa3) and runs on sm90 only, as any sm90 machine code does. The PTX
+# (of the "+PTX" target) stays the portable compute_XX, which is what a newer GPU can JIT.
+ARCH_SPECIFIC = frozenset({90})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +43,12 @@ class Family:
     hdims: tuple[int, ...]         # instantiated head dims, ascending
     directions: tuple[str, ...]    # "fwd", "bwd"
     features: frozenset[str]       # call features it supports (flash_attn/_validate.FEATURES)
+    # Newest GPU it runs on; None: any newer one too. Arch-specific instructions (sm_90a's
+    # wgmma) are not in the portable PTX, so such a family's kernels are empty there.
+    max_arch: int | None = None
+    # The family whose backward computes the gradient of this one's forward (same O and LSE
+    # conventions); None: its own.
+    bwd_family: str | None = None
 
     @property
     def max_hdim(self) -> int:
@@ -62,6 +77,19 @@ FAMILIES: dict[str, Family] = {
         hdims=(32, 64, 96, 128, 192, 256),
         directions=("fwd", "bwd"),
         features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout"}),
+    ),
+    # FlashAttention-3's forward for Hopper: TMA loads by a producer warpgroup, WGMMA in two
+    # consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its gradient
+    # is fa2's backward. Dropout is not implemented: such calls run fa2 (visibly).
+    "fa3": Family(
+        name="fa3",
+        min_arch=90,
+        dtype_min_arch={"fp16": 90, "bf16": 90},
+        hdims=(64, 96, 128, 192, 256),
+        directions=("fwd",),
+        features=frozenset({"causal", "gqa", "local", "softcap", "alibi"}),
+        max_arch=90,
+        bwd_family="fa2",
     ),
 }
 
@@ -123,43 +151,91 @@ def selected_configs(env: Mapping[str, str] = os.environ) -> list[Config]:
     return configs
 
 
-def cuda_archs(env: Mapping[str, str] = os.environ) -> list[int]:
-    """Target archs from FLASH_ATTN_CUDA_ARCHS (e.g. "75;80;90"), default DEFAULT_ARCHS."""
+def _parse_arch(entry: str) -> tuple[int, bool]:
+    """One FLASH_ATTN_CUDA_ARCHS entry -> (arch, whether it asks for PTX). Spellings: "90",
+    "sm_90", "sm90a", "9.0" (torch's), each optionally with "+PTX" (any case)."""
+    text = entry.strip().lower()
+    ptx = text.endswith("+ptx")
+    text = text.removesuffix("+ptx").strip().removeprefix("sm_").removeprefix("sm")
+    text = text.removesuffix("a")
+    major, dot, minor = text.partition(".")
+    if (dot and len(minor) == 1 and major.isdigit() and minor.isdigit()) or text.isdigit():
+        return (int(major) * 10 + int(minor) if dot else int(text)), ptx
+    raise ValueError(f"FLASH_ATTN_CUDA_ARCHS: cannot read {entry!r} as an arch (e.g. 80, "
+                     f"sm_90a, 9.0, 90+PTX)")
+
+
+def _targets(env: Mapping[str, str]) -> tuple[list[int], int | None]:
+    """(sorted target archs, the arch whose PTX the build carries or None) from
+    FLASH_ATTN_CUDA_ARCHS; unset: DEFAULT_ARCHS with the PTX of DEFAULT_PTX_ARCH."""
     raw = _env_list(env, "FLASH_ATTN_CUDA_ARCHS")
     if raw is None:
-        return list(DEFAULT_ARCHS)
-    archs = sorted({int(a.lower().removeprefix("sm_").removeprefix("sm").rstrip("a")) for a in raw})
+        return list(DEFAULT_ARCHS), DEFAULT_PTX_ARCH
+    entries = [_parse_arch(entry) for entry in raw]
+    archs = sorted({arch for arch, _ in entries})
     oldest = min(f.min_arch for f in FAMILIES.values())
     if archs[0] < oldest:
         raise ValueError(f"FLASH_ATTN_CUDA_ARCHS: sm{archs[0]} is older than any family supports "
                          f"(oldest: sm{oldest})")
-    return archs
+    marked = [entry for entry, (_, ptx) in zip(raw, entries) if ptx]
+    if len(marked) > 1:
+        raise ValueError(f"FLASH_ATTN_CUDA_ARCHS: at most one entry may carry +PTX, got "
+                         f"{', '.join(marked)}")
+    return archs, (next(arch for arch, ptx in entries if ptx) if marked else None)
 
 
-def gencode_flags(archs: Iterable[int]) -> list[str]:
-    """Machine code for every target, plus PTX of the newest one so that a GPU newer than any
-    target can still JIT-compile the kernels."""
-    archs = sorted(archs)
-    return ([f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs] +
-            [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"])
+def cuda_archs(env: Mapping[str, str] = os.environ) -> list[int]:
+    """Target archs (machine code for each) from FLASH_ATTN_CUDA_ARCHS (e.g. "75;80;90+PTX"),
+    default DEFAULT_ARCHS."""
+    return _targets(env)[0]
 
 
-def runs_on(arch: int, built_archs: Iterable[int]) -> bool:
-    """Whether code built for ``built_archs`` (see gencode_flags) runs on a GPU of ``arch``:
-    machine code runs on its own major version at the same or a higher minor; the PTX of the
-    newest target runs on anything at least that new."""
-    built_archs = list(built_archs)
-    return (any(a // 10 == arch // 10 and a <= arch for a in built_archs)
-            or arch >= max(built_archs))
+def ptx_arch(env: Mapping[str, str] = os.environ) -> int | None:
+    """The arch whose portable PTX the build carries: the FLASH_ATTN_CUDA_ARCHS entry marked
+    "+PTX" (at most one), None without one; DEFAULT_PTX_ARCH when the switch is unset."""
+    return _targets(env)[1]
 
 
-def kernel_runs_on(min_arch: int, arch: int, built_archs: Iterable[int]) -> bool:
-    """Whether a kernel that needs sm``min_arch``+ has code that runs on a GPU of ``arch`` in a
-    build for ``built_archs``. Only the targets >= min_arch count: below it the kernel compiles
-    to an empty body (FLASH_ATTN_CUDA_ARCHS=75 on an A100 would JIT the sm75 PTX, in which fa2
-    does nothing)."""
+def arch_code(arch: int) -> str:
+    """The machine-code target of an arch: "90a" for sm90 (ARCH_SPECIFIC), else "80" etc."""
+    return f"{arch}a" if arch in ARCH_SPECIFIC else str(arch)
+
+
+def gencode_flags(archs: Iterable[int], ptx: int | None) -> list[str]:
+    """Machine code for every target (arch-specific where ARCH_SPECIFIC says), plus, if ``ptx``
+    is not None, the portable PTX of that arch, so that a GPU newer than any target can still
+    JIT-compile the kernels (those of a family with a max_arch are empty in it)."""
+    flags = [f"-gencode=arch=compute_{arch_code(a)},code=sm_{arch_code(a)}" for a in sorted(archs)]
+    if ptx is not None:
+        flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
+    return flags
+
+
+def _machine_code_runs_on(arch: int, built_archs: Iterable[int]) -> bool:
+    """Machine code runs on its own major version at the same or a higher minor."""
+    return any(a // 10 == arch // 10 and a <= arch for a in built_archs)
+
+
+def runs_on(arch: int, built_archs: Iterable[int], *, ptx: int | None) -> bool:
+    """Whether code built for ``built_archs`` with the PTX of ``ptx`` (None: no PTX; see
+    gencode_flags) runs on a GPU of ``arch``: machine code of the same major at the same or a
+    lower minor, or PTX of an arch no newer than the GPU."""
+    return _machine_code_runs_on(arch, built_archs) or (ptx is not None and arch >= ptx)
+
+
+def kernel_runs_on(min_arch: int, arch: int, built_archs: Iterable[int],
+                   max_arch: int | None = None, *, ptx: int | None) -> bool:
+    """Whether a kernel that needs sm``min_arch``+ (and at most sm``max_arch``) has code that
+    runs on a GPU of ``arch`` in a build for ``built_archs`` with the PTX of ``ptx`` (None: no
+    PTX). Only code for archs >= min_arch counts: below it the kernel compiles to an empty body
+    (FLASH_ATTN_CUDA_ARCHS=75+PTX on an A100 would JIT the sm75 PTX, in which fa2 does
+    nothing). With a max_arch only machine code counts: the portable PTX lacks the
+    arch-specific instructions."""
     usable = [a for a in built_archs if a >= min_arch]
-    return bool(usable) and runs_on(arch, usable)
+    if max_arch is not None:
+        return arch <= max_arch and _machine_code_runs_on(arch, usable)
+    return (_machine_code_runs_on(arch, usable)
+            or (ptx is not None and ptx >= min_arch and arch >= ptx))
 
 
 def supports(family: str, dtype: str, hdim: int, arch: int) -> str | None:
@@ -169,6 +245,9 @@ def supports(family: str, dtype: str, hdim: int, arch: int) -> str | None:
         return f"family {family!r} does not exist (known: {sorted(FAMILIES)})"
     if arch < f.min_arch:
         return f"{family} needs sm{f.min_arch}+, this GPU is sm{arch}"
+    if f.max_arch is not None and arch > f.max_arch:
+        return (f"{family} runs on sm{f.min_arch}-sm{f.max_arch} only (arch-specific "
+                f"instructions), this GPU is sm{arch}")
     if dtype not in f.dtype_min_arch:
         return f"{family} supports dtypes {sorted(f.dtype_min_arch)}, not {dtype}"
     if arch < f.dtype_min_arch[dtype]:
@@ -176,6 +255,11 @@ def supports(family: str, dtype: str, hdim: int, arch: int) -> str | None:
     if hdim > f.max_hdim:
         return f"{family} supports head dims up to {f.max_hdim}, got {hdim}"
     return None
+
+
+def backward_family(family: str) -> str:
+    """The family whose backward kernels run the gradient of ``family``'s forward."""
+    return FAMILIES[family].bwd_family or family
 
 
 def kernel_hdim(family: str, hdim: int) -> int:
@@ -198,14 +282,16 @@ template void flash::{family}::run_{direction}<{cxx_type}, {hdim}>(const flash::
 
 _TABLE_HEADER = """\
 // Generated by flash_attn/build_matrix.py: the kernels this build contains.
-// FLASH_CONFIG(family, direction, cxx_type, dtype_name, hdim, min_arch)
+// FLASH_CONFIG(family, direction, cxx_type, dtype_name, hdim, min_arch, max_arch (0: none))
 """
 
 
-def write_sources(out_dir: str | os.PathLike, configs: Iterable[Config],
-                  archs: Iterable[int] | None = None) -> list[str]:
-    """Write one .cu per config, dispatch_table.inc and built_archs.inc (the target archs,
-    default ``cuda_archs()``) into out_dir; return the .cu paths.
+def write_sources(out_dir: str | os.PathLike, configs: Iterable[Config], archs: Iterable[int],
+                  ptx: int | None) -> list[str]:
+    """Write into out_dir one .cu per config, dispatch_table.inc, built_archs.inc (the target
+    archs: a comma-separated list) and ptx_arch.inc (the arch whose PTX the build carries: one
+    int, 0 for none), as ``cuda_archs()`` and ``ptx_arch()`` give them for a build; return the
+    .cu paths. csrc/api/flash_api.cpp includes the last three.
 
     Files whose content is unchanged are left alone, so ninja does not rebuild them.
     """
@@ -227,17 +313,20 @@ def write_sources(out_dir: str | os.PathLike, configs: Iterable[Config],
     lines = [_TABLE_HEADER]
     for c in configs:
         min_arch = max(FAMILIES[c.family].min_arch, FAMILIES[c.family].dtype_min_arch[c.dtype])
+        max_arch = FAMILIES[c.family].max_arch or 0
         lines.append(f"FLASH_CONFIG({c.family}, {c.direction}, {CXX_TYPE[c.dtype]}, {c.dtype}, "
-                     f"{c.hdim}, {min_arch})\n")
+                     f"{c.hdim}, {min_arch}, {max_arch})\n")
     put(out / "dispatch_table.inc", "".join(lines))
-    archs = sorted(cuda_archs() if archs is None else archs)
     put(out / "built_archs.inc", "// Generated by flash_attn/build_matrix.py: the target archs "
-        "(machine code for each, PTX for the last).\n" + ", ".join(map(str, archs)) + "\n")
+        "(machine code for each; ptx_arch.inc says which PTX).\n" +
+        ", ".join(map(str, sorted(archs))) + "\n")
+    put(out / "ptx_arch.inc", "// Generated by flash_attn/build_matrix.py: the arch whose "
+        "portable PTX this build carries (the +PTX target), 0: none.\n" + f"{ptx or 0}\n")
     return paths
 
 
 if __name__ == "__main__":  # python flash_attn/build_matrix.py OUT_DIR: what CMake runs
     import sys
 
-    for p in write_sources(sys.argv[1], selected_configs()):
+    for p in write_sources(sys.argv[1], selected_configs(), cuda_archs(), ptx_arch()):
         print(p)

@@ -103,7 +103,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     bf16 on one CUDA device; nheads % nheads_k == 0 (GQA / MQA: query head h reads K/V head
     h // (nheads // nheads_k)). The causal mask aligns to the bottom-right corner. softmax_scale
     defaults to 1 / sqrt(headdim). ``backend`` ('fa1' | 'fa2' | 'fa3' | 'auto' | None) forces a
-    kernel family for this call; None defers to FLASH_ATTN_BACKEND, then the automatic choice.
+    kernel family for this call; None defers to FLASH_ATTN_BACKEND, then the automatic choice
+    (sm90: fa3, except with dropout). fa3 is a forward only: its gradient runs fa2's backward.
 
     window_size=(left, right): local attention, query i sees keys [i + seqlen_k - seqlen_q -
     left, i + seqlen_k - seqlen_q + right] (-1: unbounded). softcap > 0: scores become
@@ -151,9 +152,10 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 def select_backend(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                    dropout_p=0.0, backend: Optional[str] = None) -> str:
-    """The family ``flash_attn_func`` would run for these arguments ('fa1' / 'fa2' / 'fa3'),
-    raising the error the call would raise. Counts a backward pass as needed when a tensor
-    requires grad, as the call does."""
+    """The family ``flash_attn_func`` would run the forward of these arguments with ('fa1' /
+    'fa2' / 'fa3'), raising the error the call would raise. Counts a backward pass as needed
+    when a tensor requires grad, as the call does; that backward runs the same family's
+    kernels, except after fa3, whose gradient is fa2's backward."""
     call = _validate.validate_call(q, k, v, dropout_p=dropout_p, causal=causal,
                                    window_size=window_size, softcap=softcap,
                                    alibi_slopes=alibi_slopes)

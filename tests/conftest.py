@@ -149,12 +149,18 @@ def naive_attention_bwd(dout, q, k, v, softmax_scale, causal, window=(-1, -1), s
 
 
 class FakeExtension(types.ModuleType):
-    """flash_attn._C's functions computed by the naive reference; records its calls.
+    """flash_attn._C's functions computed by the naive reference; records its calls, with the
+    family each was asked for, and refuses a family / direction / dtype / head dim that its
+    ``configs`` (the "build") lacks, as the real one's kernel lookup does: an fa3 forward's
+    gradient must arrive as family "fa2".
 
     Dropout: like the real extension, the forward takes a (seed, offset) from a generator (here
     its own: a fixed seed, the offset advanced by 4 per call) and writes it to rng_state; the
     mask is a pure function of rng_state (``dropout_mask``), so the backward and
     return_attn_probs see the forward's mask. The draws are torch's, not the kernels' Philox.
+
+    Targets: ``built_archs()`` / ``ptx_arch()`` say what ``set_targets`` set; by default ()
+    and 0, a build that does not say (nothing is ruled out by arch).
     """
 
     SEED = 1234
@@ -165,6 +171,24 @@ class FakeExtension(types.ModuleType):
         self.calls = []
         self.offset = 0
         self.rng_states = []   # what each forward with dropout wrote
+        self.set_targets((), 0)
+
+    def set_targets(self, archs, ptx, *, has_ptx_arch=True):
+        """The build's target archs and PTX arch (0: none). has_ptx_arch=False plays an
+        extension built before ``ptx_arch()`` existed (it carried PTX of its newest target)."""
+        self._archs, self._ptx, self._has_ptx_arch = list(archs), int(ptx), has_ptx_arch
+        for key in [k for k in _dispatch._BUILT_CACHE if isinstance(k, tuple) and k[0] is self]:
+            del _dispatch._BUILT_CACHE[key]
+        _dispatch._DECISIONS.clear()
+
+    def built_archs(self):
+        return list(self._archs)
+
+    @property
+    def ptx_arch(self):
+        if not self._has_ptx_arch:
+            raise AttributeError("ptx_arch")   # getattr(ext, "ptx_arch", None) is None
+        return lambda: self._ptx
 
     @property
     def configs(self):
@@ -180,10 +204,27 @@ class FakeExtension(types.ModuleType):
     def built_configs(self):
         return list(self.configs)
 
+    _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+    def _find_kernel(self, family, direction, q):
+        dtype, hdim = self._DTYPE_NAMES.get(q.dtype, str(q.dtype)), q.shape[-1]
+        if not any(f == family and d == direction and t == dtype and h >= hdim
+                   for f, d, t, h, _ in self.configs):
+            raise RuntimeError(f"flash_attn: this build has no {family} {direction} kernel for "
+                               f"dtype {dtype} and head dim {hdim} (see built_configs())")
+        # The arch range (fa3 on sm90 only), as the real lookup checks min_arch and max_arch.
+        arch = getattr(self, "arch", None)
+        reason = None if arch is None else build_matrix.supports(family, dtype, hdim, arch)
+        if reason is not None:
+            raise RuntimeError(f"flash_attn: {reason}")
+
     @staticmethod
     def _check_family(family, window_left, window_right, causal, softcap, alibi_slopes,
                       dropout_p):
-        # The real extension's second line of defence: fa1 runs causal and GQA only.
+        # The real extension's second line of defence: fa1 runs causal and GQA only, fa3
+        # everything but dropout.
+        if family == "fa3" and dropout_p > 0:
+            raise RuntimeError("flash_attn: fa3 does not support dropout; fa2 runs it")
         local = window_left >= 0 or (window_right >= 0 and not (causal or window_right == 0))
         if family == "fa1" and (local or softcap > 0 or alibi_slopes is not None
                                 or dropout_p > 0):
@@ -204,6 +245,7 @@ class FakeExtension(types.ModuleType):
             window_left, window_right, softcap, dropout_p, family):
         self.calls.append(("fwd", family, tuple(q.shape), softmax_scale, causal,
                            (window_left, window_right), softcap, alibi_slopes, dropout_p))
+        self._find_kernel(family, "fwd", q)
         self._check_family(family, window_left, window_right, causal, softcap, alibi_slopes,
                            dropout_p)
         if dropout_p > 0:
@@ -223,6 +265,7 @@ class FakeExtension(types.ModuleType):
         self.calls.append(("bwd", family, tuple(q.shape), softmax_scale, causal,
                            (window_left, window_right), softcap, alibi_slopes, dropout_p,
                            deterministic))
+        self._find_kernel(family, "bwd", q)
         self._check_family(family, window_left, window_right, causal, softcap, alibi_slopes,
                            dropout_p)
         grads = naive_attention_bwd(dout, q, k, v, softmax_scale, causal,

@@ -2,6 +2,8 @@
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,18 @@ def test_family_is_consistent(name):
     # Every feature must be one the frontend computes, or dispatch could never see it.
     assert f.features <= set(_validate.FEATURES), f.features
     assert {"causal", "gqa"} <= f.features
+    assert f.max_arch is None or f.max_arch >= f.min_arch
+    # The backward family computes this one's gradient wherever this one's forward runs: it
+    # has a backward, every feature, dtype and head dim of this family, and the archs.
+    assert f.bwd_family is None or f.bwd_family in M.FAMILIES
+    bwd = M.FAMILIES[M.backward_family(name)]
+    assert "bwd" in bwd.directions
+    assert f.features <= bwd.features
+    assert set(f.dtype_min_arch) <= set(bwd.dtype_min_arch)
+    assert all(bwd.dtype_min_arch[t] <= a for t, a in f.dtype_min_arch.items())
+    assert f.max_hdim <= bwd.max_hdim
+    assert bwd.min_arch <= f.min_arch
+    assert bwd.max_arch is None or (f.max_arch is not None and f.max_arch <= bwd.max_arch)
 
 
 def test_preference_names_every_family():
@@ -67,8 +81,12 @@ def test_switches_trim():
     # Commas work as separators too.
     assert M.selected_configs({"FLASH_ATTN_FAMILIES": "fa1", "FLASH_ATTN_HDIMS": "64,128",
                                "FLASH_ATTN_DTYPES": "fp16"}) == got
-    # A head dim only fa2 has selects fa2 alone.
-    assert {c.family for c in M.selected_configs({"FLASH_ATTN_HDIMS": "192"})} == {"fa2"}
+    # A head dim selects the families that have it: 32 is fa1's and fa2's (fa3 starts at 64),
+    # 192 is fa2's and fa3's.
+    assert {c.family for c in M.selected_configs({"FLASH_ATTN_HDIMS": "32"})} == {"fa1", "fa2"}
+    assert {c.family for c in M.selected_configs({"FLASH_ATTN_HDIMS": "192"})} == {"fa2", "fa3"}
+    # fa3 alone is forward kernels only: its gradient is fa2's backward.
+    assert {c.direction for c in M.selected_configs({"FLASH_ATTN_FAMILIES": "fa3"})} == {"fwd"}
 
 
 @pytest.mark.parametrize("env,pattern", [
@@ -81,30 +99,103 @@ def test_bad_switches(env, pattern):
         M.selected_configs(env)
 
 
+def archs_env(value):
+    return {"FLASH_ATTN_CUDA_ARCHS": value}
+
+
 def test_cuda_archs():
     assert M.cuda_archs({}) == list(M.DEFAULT_ARCHS)
-    assert M.cuda_archs({"FLASH_ATTN_CUDA_ARCHS": "90;sm_80,75;sm90a;80"}) == [75, 80, 90]
+    assert M.cuda_archs(archs_env("90;sm_80,75;sm90a;80")) == [75, 80, 90]
+    assert M.cuda_archs(archs_env("8.0;8.6,9.0;10.0")) == [80, 86, 90, 100]   # torch's spelling
     with pytest.raises(ValueError, match=r"sm70 is older than any family supports"):
-        M.cuda_archs({"FLASH_ATTN_CUDA_ARCHS": "70;80"})
+        M.cuda_archs(archs_env("70;80"))
+    with pytest.raises(ValueError, match=r"FLASH_ATTN_CUDA_ARCHS: cannot read 'hopper'"):
+        M.cuda_archs(archs_env("80;hopper"))
+
+
+@pytest.mark.parametrize("value,archs,ptx", [
+    (None, [75, 80, 90], 90),          # unset: what a wheel needs, PTX of sm90 included
+    ("", [75, 80, 90], 90),
+    ("80;90", [80, 90], None),         # an explicit list has machine code only
+    ("90", [90], None),
+    ("80;90+PTX", [80, 90], 90),
+    ("90+ptx", [90], 90),
+    ("sm_80 , sm90a+Ptx", [80, 90], 90),
+    ("8.0;9.0+PTX", [80, 90], 90),
+    ("75+PTX;80", [75, 80], 75),       # PTX of an older target: allowed, as in torch
+    ("90+PTX;90", [90], 90),
+])
+def test_ptx_arch(value, archs, ptx):
+    env = {} if value is None else archs_env(value)
+    assert M.cuda_archs(env) == archs
+    assert M.ptx_arch(env) == ptx
+
+
+def test_ptx_arch_on_one_entry_only():
+    for value in ("80+PTX;90+PTX", "90+PTX;90+ptx"):
+        with pytest.raises(ValueError, match=r"FLASH_ATTN_CUDA_ARCHS: at most one entry may carry \+PTX"):
+            M.ptx_arch(archs_env(value))
+        with pytest.raises(ValueError, match=r"at most one entry may carry \+PTX"):
+            M.cuda_archs(archs_env(value))
+
+
+def test_default_ptx_arch():
+    assert M.DEFAULT_PTX_ARCH == max(M.DEFAULT_ARCHS) == 90
+
+
+def test_arch_code():
+    assert M.arch_code(90) == "90a"         # wgmma and setmaxnreg, for fa3
+    for arch in (75, 80, 86, 89, 100, 120):
+        assert M.arch_code(arch) == str(arch)
 
 
 def test_gencode_flags():
-    assert M.gencode_flags([90, 75]) == ["-gencode=arch=compute_75,code=sm_75",
-                                         "-gencode=arch=compute_90,code=sm_90",
-                                         "-gencode=arch=compute_90,code=compute_90"]
+    # sm90 machine code is the arch-specific sm_90a; the PTX stays the portable compute_90.
+    assert M.gencode_flags([90, 75], 90) == ["-gencode=arch=compute_75,code=sm_75",
+                                             "-gencode=arch=compute_90a,code=sm_90a",
+                                             "-gencode=arch=compute_90,code=compute_90"]
+    assert M.gencode_flags([80], 80) == ["-gencode=arch=compute_80,code=sm_80",
+                                         "-gencode=arch=compute_80,code=compute_80"]
+    assert M.gencode_flags([100, 90], 100) == ["-gencode=arch=compute_90a,code=sm_90a",
+                                               "-gencode=arch=compute_100,code=sm_100",
+                                               "-gencode=arch=compute_100,code=compute_100"]
+    assert M.gencode_flags([80, 75], 75)[-1] == "-gencode=arch=compute_75,code=compute_75"
 
 
-@pytest.mark.parametrize("arch,built,runs", [
-    (90, [75, 80, 90], True),
-    (86, [75, 80, 90], True),    # sm80 machine code runs on sm86
-    (80, [90], False),           # sm90 code does not run on an A100
-    (75, [80, 90], False),
-    (89, [75, 90], False),       # no sm8x machine code, and older than the PTX
-    (100, [75, 80, 90], True),   # newer than every target: the sm90 PTX is JIT-compiled
-    (120, [80], True),
+def test_gencode_flags_without_ptx():
+    # The PTX pass roughly doubles a file's compile time: none unless asked for.
+    assert M.gencode_flags([90, 80], None) == ["-gencode=arch=compute_80,code=sm_80",
+                                               "-gencode=arch=compute_90a,code=sm_90a"]
+
+
+@pytest.mark.parametrize("value,flags", [
+    (None, ["-gencode=arch=compute_75,code=sm_75", "-gencode=arch=compute_80,code=sm_80",
+            "-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_90,code=compute_90"]),
+    ("90", ["-gencode=arch=compute_90a,code=sm_90a"]),
+    ("80;90+PTX", ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a",
+                   "-gencode=arch=compute_90,code=compute_90"]),
 ])
-def test_runs_on(arch, built, runs):
-    assert M.runs_on(arch, built) is runs
+def test_gencode_flags_from_the_switch(value, flags):
+    # What setup.py and CMakeLists.txt pass to nvcc.
+    env = {} if value is None else archs_env(value)
+    assert M.gencode_flags(M.cuda_archs(env), M.ptx_arch(env)) == flags
+
+
+@pytest.mark.parametrize("arch,built,ptx,runs", [
+    (90, [75, 80, 90], 90, True),
+    (90, [75, 80, 90], None, True),
+    (86, [75, 80, 90], None, True),    # sm80 machine code runs on sm86
+    (80, [90], 90, False),             # sm90 code does not run on an A100
+    (75, [80, 90], 90, False),
+    (89, [75, 90], 90, False),         # no sm8x machine code, and older than the PTX
+    (89, [75, 90], 75, True),          # the sm75 PTX
+    (100, [75, 80, 90], 90, True),     # newer than every target: the sm90 PTX is JIT-compiled
+    (100, [75, 80, 90], None, False),  # ... which an explicit list without +PTX lacks
+    (120, [80], 80, True),
+    (120, [80], None, False),
+])
+def test_runs_on(arch, built, ptx, runs):
+    assert M.runs_on(arch, built, ptx=ptx) is runs
 
 
 def test_fa2_entry():
@@ -118,19 +209,61 @@ def test_fa2_entry():
 def test_sm75_in_the_targets_with_fa2():
     # fa2 is compiled for every target (its bodies are empty below sm80): sm75 stays a valid
     # target, and its code does not count as fa2 code for a newer GPU.
-    assert M.cuda_archs({"FLASH_ATTN_CUDA_ARCHS": "75;80"}) == [75, 80]
-    assert M.kernel_runs_on(80, 80, [75, 80])
-    assert not M.kernel_runs_on(80, 80, [75])        # only sm75 PTX: empty fa2 bodies
-    assert M.kernel_runs_on(75, 80, [75])            # fa1 fp16 runs from the sm75 PTX
-    assert not M.kernel_runs_on(80, 86, [75, 90])
-    assert M.kernel_runs_on(80, 90, [75, 80])        # the sm80 PTX
-    assert M.kernel_runs_on(80, 100, [75, 80, 90])
+    assert M.cuda_archs(archs_env("75;80")) == [75, 80]
+    assert M.kernel_runs_on(80, 80, [75, 80], ptx=None)
+    assert not M.kernel_runs_on(80, 80, [75], ptx=75)        # only sm75 PTX: empty fa2 bodies
+    assert M.kernel_runs_on(75, 80, [75], ptx=75)            # fa1 fp16 runs from the sm75 PTX
+    assert not M.kernel_runs_on(75, 80, [75], ptx=None)
+    assert not M.kernel_runs_on(80, 86, [75, 90], ptx=90)
+    assert M.kernel_runs_on(80, 90, [75, 80], ptx=80)        # the sm80 PTX
+    assert not M.kernel_runs_on(80, 90, [75, 80], ptx=75)    # the sm75 PTX: empty fa2 bodies
+    assert not M.kernel_runs_on(80, 90, [75, 80], ptx=None)
+    assert M.kernel_runs_on(80, 100, [75, 80, 90], ptx=90)
+    assert not M.kernel_runs_on(80, 100, [75, 80, 90], ptx=None)
 
 
-def test_write_sources_built_archs(tmp_path):
-    M.write_sources(tmp_path, M.selected_configs({"FLASH_ATTN_HDIMS": "64"}), archs=[90, 80])
-    text = (tmp_path / "built_archs.inc").read_text()
-    assert text.splitlines()[-1] == "80, 90"
+@pytest.mark.parametrize("ptx", [None, 80, 90])
+@pytest.mark.parametrize("arch,built,runs", [
+    (90, [75, 80, 90], True),
+    (90, [90], True),
+    (90, [80], False),           # the sm80 PTX: fa3's kernels are empty in any PTX
+    (90, [75, 80, 100], False),  # no sm90 machine code
+    (100, [80, 90], False),      # past max_arch: the sm90 PTX JIT-compiles to empty fa3 kernels
+    (100, [90, 100], False),
+    (89, [80, 90], False),       # below min_arch
+])
+def test_kernel_runs_on_with_max_arch(arch, built, runs, ptx):
+    # Only machine code counts, whatever PTX the build carries.
+    assert M.kernel_runs_on(90, arch, built, max_arch=90, ptx=ptx) is runs
+
+
+def test_kernel_runs_on_without_max_arch_takes_the_ptx():
+    assert M.kernel_runs_on(90, 100, [80, 90], ptx=90)
+    assert M.kernel_runs_on(90, 100, [80, 90], max_arch=None, ptx=90)
+    assert not M.kernel_runs_on(90, 100, [80, 90], ptx=None)
+    assert not M.kernel_runs_on(90, 100, [80, 90], ptx=80)   # PTX below min_arch: empty bodies
+    assert not M.kernel_runs_on(90, 90, [80], ptx=80)
+
+
+@pytest.mark.parametrize("ptx,text", [(90, "90"), (None, "0")])
+def test_write_sources_built_archs(tmp_path, ptx, text):
+    M.write_sources(tmp_path, M.selected_configs({"FLASH_ATTN_HDIMS": "64"}), [90, 80], ptx)
+    assert (tmp_path / "built_archs.inc").read_text().splitlines()[-1] == "80, 90"
+    lines = (tmp_path / "ptx_arch.inc").read_text().splitlines()
+    assert lines[0].startswith("//") and lines[1:] == [text]
+
+
+def test_generator_main_reads_the_switch(tmp_path):
+    # What CMake runs: python flash_attn/build_matrix.py OUT_DIR, with the switches in the env.
+    env = dict(os.environ, FLASH_ATTN_CUDA_ARCHS="80,90+PTX", FLASH_ATTN_HDIMS="64")
+    subprocess.run([sys.executable, M.__file__, str(tmp_path)], env=env, check=True,
+                   capture_output=True)
+    assert (tmp_path / "built_archs.inc").read_text().splitlines()[-1] == "80, 90"
+    assert (tmp_path / "ptx_arch.inc").read_text().splitlines()[-1] == "90"
+    env["FLASH_ATTN_CUDA_ARCHS"] = "80,90"
+    subprocess.run([sys.executable, M.__file__, str(tmp_path)], env=env, check=True,
+                   capture_output=True)
+    assert (tmp_path / "ptx_arch.inc").read_text().splitlines()[-1] == "0"
 
 
 # ---- supports / kernel_hdim -------------------------------------------------------------------
@@ -146,6 +279,36 @@ def test_supports():
     assert M.supports("fa2", "bf16", 256, 80) is None
     assert M.supports("fa2", "fp16", 64, 75) == "fa2 needs sm80+, this GPU is sm75"
     assert M.supports("fa2", "fp16", 264, 90) == "fa2 supports head dims up to 256, got 264"
+    assert M.supports("fa2", "bf16", 128, 100) is None
+
+
+def test_supports_fa3():
+    assert M.supports("fa3", "fp16", 256, 90) is None
+    assert M.supports("fa3", "bf16", 32, 90) is None     # runs on the hdim-64 kernel
+    assert M.supports("fa3", "fp16", 64, 89) == "fa3 needs sm90+, this GPU is sm89"
+    for arch in (100, 120):
+        reason = M.supports("fa3", "bf16", 64, arch)
+        assert reason.startswith("fa3 runs on sm90") and reason.endswith(f"this GPU is sm{arch}")
+    assert M.supports("fa3", "fp16", 264, 90) == "fa3 supports head dims up to 256, got 264"
+
+
+def test_fa3_entry():
+    f = M.FAMILIES["fa3"]
+    assert (f.min_arch, f.max_arch, dict(f.dtype_min_arch)) == (90, 90, {"fp16": 90, "bf16": 90})
+    assert f.hdims == (64, 96, 128, 192, 256)
+    assert f.directions == ("fwd",)
+    assert f.features == set(_validate.FEATURES) - {"dropout"}
+    assert f.bwd_family == "fa2"
+    assert M.arch_code(f.max_arch) == "90a"    # its kernels need the arch-specific machine code
+    assert M.PREFERENCE[0] == "fa3"
+
+
+def test_backward_family():
+    assert M.backward_family("fa1") == "fa1"
+    assert M.backward_family("fa2") == "fa2"
+    assert M.backward_family("fa3") == "fa2"
+    with pytest.raises(KeyError):
+        M.backward_family("fa9")
 
 
 @pytest.mark.parametrize("hdim,kernel", [(1, 32), (8, 32), (32, 32), (33, 64), (72, 96), (96, 96), (120, 128), (128, 128)])
@@ -167,7 +330,7 @@ def test_kernel_hdim_past_the_largest():
 
 def test_write_sources(tmp_path):
     configs = M.selected_configs({"FLASH_ATTN_HDIMS": "64;128"})
-    paths = M.write_sources(tmp_path / "gen", configs)
+    paths = M.write_sources(tmp_path / "gen", configs, M.DEFAULT_ARCHS, M.DEFAULT_PTX_ARCH)
     assert sorted(paths) == sorted(str(tmp_path / "gen" / f"{c.stem}.cu") for c in configs)
     for c in configs:
         text = (tmp_path / "gen" / f"{c.stem}.cu").read_text()
@@ -176,26 +339,35 @@ def test_write_sources(tmp_path):
         assert (f"template void flash::{c.family}::run_{c.direction}<{M.CXX_TYPE[c.dtype]}, "
                 f"{c.hdim}>(const flash::{params}&, cudaStream_t);") in text
     table = (tmp_path / "gen" / "dispatch_table.inc").read_text()
-    rows = re.findall(r"^FLASH_CONFIG\((\w+), (\w+), (\w+), (\w+), (\d+), (\d+)\)$", table, re.M)
+    assert "max_arch (0: none)" in table
+    rows = re.findall(r"^FLASH_CONFIG\((\w+), (\w+), (\w+), (\w+), (\d+), (\d+), (\d+)\)$",
+                      table, re.M)
     assert len(rows) == len(configs)
-    for family, direction, cxx, dtype, hdim, min_arch in rows:
+    for family, direction, cxx, dtype, hdim, min_arch, max_arch in rows:
         f = M.FAMILIES[family]
         assert cxx == M.CXX_TYPE[dtype]
         assert int(min_arch) == max(f.min_arch, f.dtype_min_arch[dtype])
-    assert ("fa1", "fwd", "__nv_bfloat16", "bf16", "64", "80") in rows
-    assert ("fa1", "bwd", "__half", "fp16", "128", "75") in rows
-    assert ("fa2", "fwd", "__half", "fp16", "64", "80") in rows
-    assert ("fa2", "bwd", "__nv_bfloat16", "bf16", "128", "80") in rows
+        assert int(max_arch) == (f.max_arch or 0)
+    assert ("fa1", "fwd", "__nv_bfloat16", "bf16", "64", "80", "0") in rows
+    assert ("fa1", "bwd", "__half", "fp16", "128", "75", "0") in rows
+    assert ("fa2", "fwd", "__half", "fp16", "64", "80", "0") in rows
+    assert ("fa2", "bwd", "__nv_bfloat16", "bf16", "128", "80", "0") in rows
+    assert ("fa3", "fwd", "__half", "fp16", "64", "90", "90") in rows
+    assert ("fa3", "fwd", "__nv_bfloat16", "bf16", "128", "90", "90") in rows
+    assert not any(r[0] == "fa3" and r[1] == "bwd" for r in rows)
 
 
 def test_write_sources_leaves_unchanged_files_alone(tmp_path):
     # ninja rebuilds on mtime: regenerating the same matrix must not touch any file.
     configs = M.selected_configs({"FLASH_ATTN_HDIMS": "64"})
-    files = [Path(p) for p in M.write_sources(tmp_path, configs)] + [tmp_path / "dispatch_table.inc"]
+    files = ([Path(p) for p in M.write_sources(tmp_path, configs, [80, 90], 90)] +
+             [tmp_path / name for name in ("dispatch_table.inc", "built_archs.inc", "ptx_arch.inc")])
     for p in files:
         os.utime(p, ns=(1, 1))
-    M.write_sources(tmp_path, configs)
+    M.write_sources(tmp_path, configs, [80, 90], 90)
     assert all(p.stat().st_mtime_ns == 1 for p in files), "unchanged files were rewritten"
-    # A different matrix rewrites the table.
-    M.write_sources(tmp_path, M.selected_configs({"FLASH_ATTN_HDIMS": "128"}))
+    # A different matrix rewrites the table; other PTX rewrites ptx_arch.inc alone.
+    M.write_sources(tmp_path, M.selected_configs({"FLASH_ATTN_HDIMS": "128"}), [80, 90], None)
     assert (tmp_path / "dispatch_table.inc").stat().st_mtime_ns != 1
+    assert (tmp_path / "ptx_arch.inc").stat().st_mtime_ns != 1
+    assert (tmp_path / "built_archs.inc").stat().st_mtime_ns == 1

@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flash_attn
-from flash_attn import _validate
+from flash_attn import _validate, build_matrix
 from conftest import _heads_first, _probs, naive_attention
 
 
@@ -337,19 +337,22 @@ def test_misaligned_views_are_copied_for_the_kernels(fake_ext):
 @pytest.mark.parametrize("family,features", [
     ("fa1", (True, -1, -1, 0.0, None)),
     ("fa2", (False, 3, 1, 5.0, torch.rand(2, 6))),
+    ("fa3", (True, 3, 0, 5.0, torch.rand(2, 6))),
 ])
 def test_opcheck_fwd_bwd(fake_ext, family, features):
+    fake_ext.arch = 90
     q, k, v = _qkv(d=64)
     fwd_args = (q, k, v, 0.125, *features, 0.0, False, family)
+    # Checks the autograd formula too: an fa3 forward's gradient is flash_attn::bwd on "fa2".
     torch.library.opcheck(torch.ops.flash_attn.fwd.default, fwd_args)
     # With dropout the forward draws anew each call, so opcheck (which compares calls) sees the
     # backward only, which is a pure function of rng_state.
-    dropout_p = 0.0 if family == "fa1" else 0.25
+    dropout_p = 0.25 if family == "fa2" else 0.0
     with torch.no_grad():
         out, lse, rng_state = torch.ops.flash_attn.fwd(q, k, v, 0.125, *features, dropout_p,
                                                        False, family)
     args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, rng_state, 0.125,
-            *features, dropout_p, False, family)
+            *features, dropout_p, False, build_matrix.backward_family(family))
     torch.library.opcheck(torch.ops.flash_attn.bwd.default, args)
     torch.library.opcheck(torch.ops.flash_attn.dropout_mask.default,
                           (torch.tensor([7, 8]), 2, 6, 5, 7, 0.25))
@@ -417,5 +420,36 @@ def test_compiled_errors_are_the_eager_ones(fake_ext):
     compiled = torch.compile(lambda q, k, v: flash_attn.flash_attn_func(q, k, v, backend="fa3"),
                              backend="aot_eager")
     q, k, v = _qkv(grad=False)
-    with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call"):
+    with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call .*: fa3 needs sm90\+, this GPU is sm80"):
         compiled(q, k, v)
+
+
+# ---- fa3's gradient is fa2's backward ---------------------------------------------------------
+
+def _fa3_forward(path, q, k, v):
+    if path == "eager":
+        return flash_attn.flash_attn_func(q, k, v, causal=True, softcap=5.0)
+    if path == "op":
+        return torch.ops.flash_attn.fwd(q, k, v, q.shape[-1] ** -0.5, True, -1, 0, 5.0, None,
+                                        0.0, False, "fa3")[0]
+    compiled = torch.compile(lambda q, k, v: flash_attn.flash_attn_func(q, k, v, causal=True,
+                                                                        softcap=5.0),
+                             backend="aot_eager", fullgraph=True)
+    return compiled(q, k, v)
+
+
+@pytest.mark.parametrize("path", ["eager", "op", "compiled"])
+def test_fa3_gradient_runs_fa2s_backward(fake_ext, path):
+    """On sm90 the forward runs fa3 and its gradient reaches the extension as family "fa2"
+    (the stand-in refuses an fa3 bwd, which the build does not have), with the right values."""
+    fake_ext.arch = 90
+    q, k, v = _qkv(d=64)
+    out = _fa3_forward(path, q, k, v)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert [c[:2] for c in fake_ext.calls] == [("fwd", "fa3"), ("bwd", "fa2")]
+    ref, _, inputs = _reference(q, k, v, 64 ** -0.5, True, softcap=5.0)
+    ref.backward(dout.float())
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    for got, want in zip((q, k, v), inputs):
+        torch.testing.assert_close(got.grad.float(), want.grad, atol=5e-3, rtol=5e-3)

@@ -25,6 +25,7 @@
 #include "common/params.h"
 #include "fa1/fa1.h"
 #include "fa2/fa2.h"
+#include "fa3/fa3.h"
 
 namespace {
 
@@ -51,21 +52,24 @@ using BwdFn = void (*)(const flash::BwdParams&, cudaStream_t);
 struct Kernel {
   std::string family, direction, dtype;
   int hdim = 0, min_arch = 0;
+  int max_arch = 0;  // 0: none (build_matrix.Family.max_arch)
   FwdFn fwd = nullptr;
   BwdFn bwd = nullptr;
 };
 
-Kernel entry(const char* family, const char* dir, const char* dtype, int hdim, int arch, FwdFn f) {
-  return {family, dir, dtype, hdim, arch, f, nullptr};
+Kernel entry(const char* family, const char* dir, const char* dtype, int hdim, int arch,
+             int max_arch, FwdFn f) {
+  return {family, dir, dtype, hdim, arch, max_arch, f, nullptr};
 }
-Kernel entry(const char* family, const char* dir, const char* dtype, int hdim, int arch, BwdFn f) {
-  return {family, dir, dtype, hdim, arch, nullptr, f};
+Kernel entry(const char* family, const char* dir, const char* dtype, int hdim, int arch,
+             int max_arch, BwdFn f) {
+  return {family, dir, dtype, hdim, arch, max_arch, nullptr, f};
 }
 
 const std::vector<Kernel>& kernels() {
   static const std::vector<Kernel> table = {
-#define FLASH_CONFIG(family, dir, cxx_type, dtype, hdim, min_arch) \
-  entry(#family, #dir, #dtype, hdim, min_arch, &flash::family::run_##dir<cxx_type, hdim>),
+#define FLASH_CONFIG(family, dir, cxx_type, dtype, hdim, min_arch, max_arch) \
+  entry(#family, #dir, #dtype, hdim, min_arch, max_arch, &flash::family::run_##dir<cxx_type, hdim>),
 #include "generated/dispatch_table.inc"
 #undef FLASH_CONFIG
   };
@@ -78,7 +82,7 @@ std::string dtype_name(const at::Tensor& t) {
   return std::string(c10::toString(t.scalar_type()));
 }
 
-// The target archs of this build: machine code for each, PTX for the last (build_matrix.py).
+// The target archs of this build, with machine code for each (build_matrix.cuda_archs).
 const std::vector<int>& target_archs() {
   static const std::vector<int> archs = {
 #include "generated/built_archs.inc"
@@ -86,23 +90,32 @@ const std::vector<int>& target_archs() {
   return archs;
 }
 
-// build_matrix.kernel_runs_on: whether a kernel that needs sm<min_arch>+ has code that runs on
-// `arch`. Targets below min_arch do not count (the kernel compiles to an empty body there).
-bool kernel_runs_on(int min_arch, int arch) {
-  int newest = 0;
+// The arch whose portable PTX this build carries, 0: none (build_matrix.ptx_arch: the
+// FLASH_ATTN_CUDA_ARCHS entry marked +PTX, sm90 when the switch is unset).
+constexpr int kPtxArch =
+#include "generated/ptx_arch.inc"
+    ;
+
+// build_matrix.kernel_runs_on: whether a kernel that needs sm<min_arch>+ (and at most
+// sm<max_arch>, 0: no limit) has code that runs on `arch`. Code for archs below min_arch does
+// not count (the kernel compiles to an empty body there); with a max_arch neither does the PTX
+// (it lacks the arch-specific instructions, so the kernel is empty in it too).
+bool kernel_runs_on(int min_arch, int max_arch, int arch) {
+  if (max_arch != 0 && arch > max_arch) return false;
   for (int a : target_archs()) {
-    if (a < min_arch) continue;
-    if (a / 10 == arch / 10 && a <= arch) return true;  // machine code of the same major
-    newest = std::max(newest, a);
+    if (a >= min_arch && a / 10 == arch / 10 && a <= arch) return true;  // same-major SASS
   }
-  return newest != 0 && arch >= newest;  // the newest target's PTX
+  return max_arch == 0 && kPtxArch != 0 && kPtxArch >= min_arch && arch >= kPtxArch;
 }
 
-std::string arch_list(const std::vector<int>& archs) {
+// "sm80, sm90 (no PTX)" / "sm80, sm90 (+ PTX of sm90)": what an error says about the targets.
+std::string targets_text() {
   std::string out;
-  for (int a : archs) out += (out.empty() ? "sm" : ", sm") + std::to_string(a);
-  return out;
+  for (int a : target_archs()) out += (out.empty() ? "sm" : ", sm") + std::to_string(a);
+  return out + (kPtxArch == 0 ? " (no PTX)" : " (+ PTX of sm" + std::to_string(kPtxArch) + ")");
 }
+
+bool max_arch_ok(const Kernel& k, int arch) { return k.max_arch == 0 || arch <= k.max_arch; }
 
 // The kernel of the smallest instantiated head dim >= head_dim.
 const Kernel& find_kernel(const std::string& family, const std::string& direction,
@@ -119,8 +132,10 @@ const Kernel& find_kernel(const std::string& family, const std::string& directio
               " (see flash_attn._C.built_configs())");
   TORCH_CHECK(arch >= best->min_arch, "flash_attn: ", family, " ", dtype, " needs sm",
               num(best->min_arch), "+, this GPU is sm", num(arch));
-  TORCH_CHECK(kernel_runs_on(best->min_arch, arch), "flash_attn: this build has no ", family,
-              " code that runs on sm", num(arch), " (targets: ", arch_list(target_archs()),
+  TORCH_CHECK(max_arch_ok(*best, arch), "flash_attn: ", family, " runs on sm", num(best->min_arch),
+              "-sm", num(best->max_arch), " only, this GPU is sm", num(arch));
+  TORCH_CHECK(kernel_runs_on(best->min_arch, best->max_arch, arch), "flash_attn: this build has no ", family,
+              " code that runs on sm", num(arch), " (targets: ", targets_text(),
               "); rebuild with FLASH_ATTN_CUDA_ARCHS including ", num(arch));
   return *best;
 }
@@ -268,8 +283,13 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
   p.q_tiles_per_block = q_tiles;
 }
 
-// FA1 knows causal and GQA only; the frontend never sends it more (dispatch picks fa2).
+// FA1 knows causal and GQA only, FA3 everything but dropout; the frontend never sends them more
+// (dispatch picks fa2).
 void check_family_features(const std::string& family, const flash::FwdParams& p) {
+  if (family == "fa3") {
+    TORCH_CHECK(p.dropout_p == 0.f, "flash_attn: fa3 does not support dropout; fa2 runs it");
+    return;
+  }
   if (family != "fa1") return;
   const bool local = p.window_left >= 0 || (p.window_right >= 0 && !p.causal);
   TORCH_CHECK(!local && p.softcap == 0.f && p.alibi_slopes == nullptr && p.dropout_p == 0.f,
@@ -462,6 +482,8 @@ at::Tensor dropout_mask(const at::Tensor& rng_state, int64_t batch, int64_t head
 
 std::vector<int> built_archs() { return target_archs(); }
 
+int ptx_arch() { return kPtxArch; }
+
 std::vector<std::tuple<std::string, std::string, std::string, int, int>> built_configs() {
   std::vector<std::tuple<std::string, std::string, std::string, int, int>> out;
   for (const Kernel& k : kernels()) out.emplace_back(k.family, k.direction, k.dtype, k.hdim, k.min_arch);
@@ -471,7 +493,7 @@ std::vector<std::tuple<std::string, std::string, std::string, int, int>> built_c
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "flash_attn CUDA kernels (FA1, FA2); see ARCHITECTURE.md";
+  m.doc() = "flash_attn CUDA kernels (FA1, FA2, FA3); see ARCHITECTURE.md";
   m.def("fwd", &fwd, "attention forward: writes out, lse (and rng_state with dropout)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
         py::arg("rng_state"), py::arg("alibi_slopes"), py::arg("softmax_scale"),
@@ -490,6 +512,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("built_configs", &built_configs,
         "(family, direction, dtype, hdim, min_arch) of every kernel in this build");
   m.def("built_archs", &built_archs,
-        "compute capabilities (major*10+minor) with machine code in this build; the last also "
-        "as PTX");
+        "compute capabilities (major*10+minor) with machine code in this build");
+  m.def("ptx_arch", &ptx_arch,
+        "compute capability whose portable PTX this build carries (the FLASH_ATTN_CUDA_ARCHS "
+        "entry marked +PTX), 0: none");
 }

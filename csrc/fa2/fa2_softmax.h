@@ -1,4 +1,5 @@
-// Online softmax state of the rows a thread holds (FA2, Algorithm 1 lines 8-10 and 12):
+// Online softmax state of the rows a thread holds (FA2, Algorithm 1 lines 8-10 and 12; FA3
+// uses it too):
 //   rescale:       m_new = max(m, rowmax(S)); O *= exp2(m - m_new); l *= exp2(m - m_new)
 //                  (lazily: only when some row's max grew by more than 2^8, see update)
 //   exponentiate:  P = exp2(S * scale_log2 - m_new * scale_log2); l += rowsum(P)
@@ -24,6 +25,18 @@ struct Softmax {
   // kFirst: the first key tile of the row, with nothing to rescale.
   template <bool kFirst, class S, class O>
   __device__ __forceinline__ void update(S& s, O& o, float scale_log2) {
+    float correction[kRows];
+    if (online<kFirst>(s, scale_log2, correction)) rescale(o, correction);
+  }
+
+  // update() in two halves, for a caller whose O is still being written by an asynchronous
+  // GEMM when the next scores are ready (FA3): online() moves the max and the sum and turns S
+  // into P; when it returns true, O must be multiplied by correction (rescale()) before the
+  // next P V is added to it. kLazy = false: no lazy rescaling, so no branch: the correction is
+  // always computed and the result always true (after the first tile). ptxas waits for every
+  // WGMMA in flight before the lazy branch, which would serialise FA3's overlap.
+  template <bool kFirst, bool kLazy = true, class S>
+  __device__ __forceinline__ bool online(S& s, float scale_log2, float (&correction)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
     float tile_max[kRows];
     bool grow = kFirst;
@@ -39,18 +52,17 @@ struct Softmax {
       // multiply per O element per tile, the bulk of the softmax's ALU work at large head
       // dims) is skipped once the max has settled, which is most tiles. lse uses the same max
       // as l, so the result is exact.
-      if (!kFirst) grow |= (tile_max[mi] - row_max[mi]) * scale_log2 > kRescaleLog2;
+      if (!kFirst && kLazy) grow |= (tile_max[mi] - row_max[mi]) * scale_log2 > kRescaleLog2;
     }
-    if (kFirst || __any_sync(0xffffffffu, grow)) {
+    const bool rescale_o = !kFirst && (!kLazy || __any_sync(0xffffffffu, grow));
+    if (kFirst || rescale_o) {
 #pragma unroll
       for (int mi = 0; mi < kRows; ++mi) {
         if (!kFirst) {
           const float prev = row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2;
           const float next = tile_max[mi] == -INFINITY ? 0.f : tile_max[mi] * scale_log2;
-          const float correction = exp2_approx(prev - next);
-          row_sum[mi] *= correction;
-#pragma unroll
-          for (int di = 0; di < size<1>(o); ++di) o(mi, di) *= correction;
+          correction[mi] = exp2_approx(prev - next);
+          row_sum[mi] *= correction[mi];
         }
         row_max[mi] = tile_max[mi];
       }
@@ -66,6 +78,16 @@ struct Softmax {
       }
       // The quad reduction of the sum waits until finalize: each lane keeps a partial.
       row_sum[mi] = kFirst ? sum : row_sum[mi] + sum;
+    }
+    return rescale_o;
+  }
+
+  template <class O>
+  __device__ __forceinline__ void rescale(O& o, const float (&correction)[kRows]) const {
+#pragma unroll
+    for (int mi = 0; mi < kRows; ++mi) {
+#pragma unroll
+      for (int di = 0; di < size<1>(o); ++di) o(mi, di) *= correction[mi];
     }
   }
 

@@ -1,11 +1,15 @@
-// FA3 forward, v0 (issue 4; plan in benchmarks/results/fa3_notes.md): one CTA per (128-row
-// query tile, batch, head), three warpgroups. Warpgroup 0 produces: one thread issues TMA
-// loads of Q (once) and of K and V into a ring of kStages buffers guarded by mbarriers
-// (CUTLASS's PipelineTmaAsync). Warpgroups 1 and 2 consume, 64 query rows each (the WGMMA M):
+// FA3 forward (issue 4; plan and measurements in benchmarks/results/fa3_notes.md): one CTA
+// per (128-row query tile, head, batch), three warpgroups. Warpgroup 0 produces: one thread
+// issues TMA loads of Q (once) and of K and V into a ring of kStages buffers guarded by
+// mbarriers (CUTLASS's PipelineTmaAsync). Warpgroups 1 and 2 consume, 64 query rows each (the
+// WGMMA M):
 //   S = Q K[n]^T        SS WGMMA from shared memory
-//   mask, online softmax (FA2's Softmax and Mask: the same conventions)
+//   score mod, mask, online softmax (FA2's ScoreMod, Mask and Softmax: the same conventions)
 //   O += P V[n]         RS WGMMA, P from registers, V read MN-major from shared memory
-// No overlap beyond the TMA ring yet (v0: correctness first; fa3_notes.md lists the steps).
+// Schedules (Traits): serial (each GEMM waited for at once), intra-warpgroup overlap (S[n+1]
+// is issued before P[n] V[n], and the softmax of S[n+1] runs while P[n] V[n] does), and
+// ping-pong on top of it (named barriers make the two consumers take turns issuing GEMMs, so
+// that one's softmax runs under the other's GEMMs).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -15,19 +19,32 @@
 
 #include "common/params.h"
 #include "fa2/fa2_mask.h"
+#include "fa2/fa2_score_mod.h"
 #include "fa2/fa2_softmax.h"
+#include "fa2/fa2_tile_order.h"
+#include "fa2/fa2_utils.h"
 
 namespace flash::fa3 {
 
 using namespace cute;
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_>
+// How a consumer orders its GEMMs and its softmax (see the header comment).
+enum class Schedule { kSerial, kOverlap, kPingPong };
+
+template <typename T, int kHeadDim_, int kBlockN_, int kStages_, bool kScoreMod_,
+          Schedule kSchedule_>
 struct FwdTraits {
-  using Element = Element_;
+  using Element = typename flash::fa2::CuteType<T>::type;
   static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kStages = kStages_;
+  static constexpr bool kScoreMod = kScoreMod_;  // softcap or ALiBi may be on (runtime fields)
+  static constexpr Schedule kSchedule = kSchedule_;
   static constexpr int kConsumers = 2;              // warpgroups, 64 rows each
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
+  // setmaxnreg: the producer needs a few registers, the consumers all they can get (the
+  // 64K-register file split 128 x 24 + 256 x 240).
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0);
 
   using ShapeS = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;   // one warpgroup's S = Q K^T
   using ShapeO = Shape<_64, Int<kHeadDim>, Int<kBlockN>>;   // one warpgroup's O += P V
@@ -35,11 +52,13 @@ struct FwdTraits {
   using MmaO = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, ShapeO, GMMA::Major::K, GMMA::Major::MN>()));
 
-  // Q, K, V in shared memory as they are in global: rows of hdim, 128-byte swizzle. V viewed
-  // as (hdim, keys) is the MN-major B operand of P V, so no transpose is needed.
-  using SmemQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                       Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemKV = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+  // Q, K, V in shared memory as they are in global: rows of hdim, swizzled by the widest
+  // pattern a row divides into (128 bytes, or 64 at hdim 96). V viewed as (hdim, keys) is the
+  // MN-major B operand of P V, so no transpose is needed.
+  using SwizzleAtom = std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                                         GMMA::Layout_K_SW64_Atom<Element>>;
+  using SmemQ = decltype(tile_to_shape(SwizzleAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemKV = decltype(tile_to_shape(SwizzleAtom{},
                                         Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemVt = decltype(composition(
       SmemKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
@@ -101,7 +120,8 @@ __device__ __forceinline__ void wgmma(Mma& mma, A const& a, B const& b, C& c) {
 
 template <class Tr, class Tma>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    fwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Tma tma) {
+    fwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Tma tma,
+               const flash::fa2::TileOrder order) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Tr::Element;
   using Pipeline = typename Tr::Pipeline;
@@ -109,8 +129,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Tr::SharedStorage*>(smem_raw);
 
-  const int m_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
-  const int head_k = head / (p.heads / p.heads_k);
+  // One work item per CTA (the launcher checks the grid covers them): FA2's order, tile 0 the
+  // last query tile, which has the most keys under a causal mask.
+  const flash::fa2::WorkItem w = order.decode(blockIdx.x);
+  const int m_block = order.tiles - 1 - w.tile, head = w.head, batch = w.batch;
+  const int head_k = w.head_k;
   const int row0 = m_block * kBlockM;
   const int wg = threadIdx.x / 128, wg_tid = threadIdx.x % 128;
   const flash::fa2::Mask mask(p);
@@ -136,7 +159,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   if (wg == 0) {
     // ---- producer ----------------------------------------------------------------------
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (wg_tid == 0 && !tiles.empty()) {
       Tensor mQ = tma.q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.heads, p.batch));
       Tensor mK = tma.k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.heads_k, p.batch));
@@ -170,7 +193,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
 
   // ---- consumers: warpgroup wg - 1 owns rows [64 (wg - 1), +64) of the tile ---------------
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
   const int cw = wg - 1;
   typename Tr::MmaS mma_s;
   typename Tr::MmaO mma_o;
@@ -187,29 +210,97 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
   Tensor cS_rc = make_tensor(cS.data(), rowcol(cS.layout()));
   const int wg_row0 = row0 + 64 * cw;
+  const flash::fa2::ScoreMod score_mod(p, batch, head);
 
   flash::fa2::Softmax<2> softmax;
   if (!tiles.empty()) {
     cutlass::arch::ClusterTransactionBarrier::wait(&shared.q_full, 0);
-    cutlass::PipelineState<Tr::kStages> state;
-    auto step = [&](int n, auto first, auto masked) {
-      Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});
-      pipe_k.consumer_wait(state);
-      wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
-      warpgroup_wait<0>();
-      pipe_k.consumer_release(state);
-      Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
+    Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});
+    Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
+    // Score mod and mask of key tile n, in place in acc_s.
+    auto scores = [&](int n, auto masked) __attribute__((always_inline)) {
+      if constexpr (Tr::kScoreMod) score_mod.apply(s_rc, cS_rc, wg_row0, n * kBlockN);
       if constexpr (decltype(masked)::value) mask.apply(s_rc, cS_rc, wg_row0, n * kBlockN);
-      softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, p.softmax_scale_log2);
-      Tensor rP = flash::fa2::convert_fragment<Element>(acc_s);
-      Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-      pipe_v.consumer_wait(state);
-      wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, state.index()), acc_o);
-      warpgroup_wait<0>();
-      pipe_v.consumer_release(state);
-      ++state;
     };
-    flash::fa2::walk_key_tiles(tiles, step);
+    cutlass::PipelineState<Tr::kStages> state;
+    if constexpr (Tr::kSchedule == Schedule::kSerial) {
+      auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
+        pipe_k.consumer_wait(state);
+        wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+        warpgroup_wait<0>();
+        pipe_k.consumer_release(state);
+        scores(n, masked);
+        softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, p.softmax_scale_log2);
+        Tensor rP = flash::fa2::convert_fragment<Element>(acc_s);
+        Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+        pipe_v.consumer_wait(state);
+        wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, state.index()), acc_o);
+        warpgroup_wait<0>();
+        pipe_v.consumer_release(state);
+        ++state;
+      };
+      flash::fa2::walk_key_tiles(tiles, step);
+    } else {
+      // Tile n's step issues S[n] = Q K[n]^T, then P[n-1] V[n-1] (its P kept in 16 bits in
+      // rP), and runs the softmax of S[n] while P[n-1] V[n-1] is on the tensor cores. O is
+      // rescaled for tile n's max only at the next step, once P[n-1] V[n-1] has retired.
+      //
+      // Ping-pong: the consumers take turns issuing their GEMMs (turn barrier = the named
+      // barrier of 256 threads a consumer syncs on before issuing; the other consumer arrives
+      // on it once it has issued its own). Consumer 1 gives consumer 0 the first turn and
+      // skips its last arrive, so every barrier sees as many arrives as syncs.
+      constexpr bool kPingPong = Tr::kSchedule == Schedule::kPingPong;
+      auto take_turn = [&] {
+        if constexpr (kPingPong) cutlass::arch::NamedBarrier::sync(256, cw);
+      };
+      auto pass_turn = [&] {
+        if constexpr (kPingPong) cutlass::arch::NamedBarrier::arrive(256, 1 - cw);
+      };
+      if constexpr (kPingPong) {
+        if (cw == 1) cutlass::arch::NamedBarrier::arrive(256, 0);
+      }
+      Tensor rP = make_tensor<Element>(acc_s.layout());
+      Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+      // O's correction for the max of the tile whose P is in rP; applied without a branch (a
+      // branch between the two GEMMs would make ptxas wait for the first).
+      float correction[2] = {1.f, 1.f};
+      cutlass::PipelineState<Tr::kStages> prev;
+      auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
+        pipe_k.consumer_wait(state);
+        take_turn();
+        wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+        if constexpr (!decltype(first)::value) {
+          softmax.rescale(acc_o_rc, correction);
+          pipe_v.consumer_wait(prev);
+          wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o);
+        }
+        pass_turn();
+        warpgroup_wait<decltype(first)::value ? 0 : 1>();
+        pipe_k.consumer_release(state);
+        scores(n, masked);
+        // Not lazy: its branch would make ptxas wait for P[n-1] V[n-1] first (fa2_softmax.h).
+        softmax.template online<decltype(first)::value, false>(s_rc, p.softmax_scale_log2,
+                                                               correction);
+        warpgroup_fence_operand(acc_s);
+        if constexpr (!decltype(first)::value) {
+          warpgroup_wait<0>();
+          pipe_v.consumer_release(prev);
+        }
+        Tensor converted = flash::fa2::convert_fragment<Element>(acc_s);
+        copy(converted, rP);
+        prev = state;
+        ++state;
+      };
+      flash::fa2::walk_key_tiles(tiles, step);
+      // The last tile's P V.
+      softmax.rescale(acc_o_rc, correction);
+      pipe_v.consumer_wait(prev);
+      take_turn();
+      wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o);
+      if (cw == 0) pass_turn();
+      warpgroup_wait<0>();
+      pipe_v.consumer_release(prev);
+    }
   } else {
     for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
   }

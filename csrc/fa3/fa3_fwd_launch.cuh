@@ -1,37 +1,73 @@
-// FA3 forward launcher (v0): TMA descriptors over (seqlen, head_dim, heads, batch) views of
-// Q, K, V, one CTA per (query tile, head, batch).
+// FA3 forward launcher: TMA descriptors over (seqlen, head_dim, heads, batch) views of Q, K,
+// V, the score-mod variant, one CTA per (query tile, head, batch). Included by the generated
+// instantiation files and the harness only.
 #pragma once
 
 #include <cute/tensor.hpp>
 
+#include <stdexcept>
+
 #include "common/check.h"
+#include "fa3/fa3.h"
 #include "fa3/fa3_fwd_kernel.cuh"
+#include "fa3/fa3_tiles.h"
 
 namespace flash::fa3 {
 
 template <class Tr>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Element = typename Tr::Element;
-  // The TMA boxes are kHeadDim wide; columns past head_dim (<= kHeadDim) are zero-filled.
-  auto rows = [&](const void* ptr, const Strides& s, int seqlen, int heads) {
+  // A TMA descriptor needs every stride to be a multiple of 16 bytes, also that of a dimension
+  // of extent 1, which the frontend leaves as it comes (a slice of a longer tensor can have
+  // any). Such a stride is never stepped along: give it the extent of the dims inside it.
+  auto tensor = [&](const void* ptr, const Strides& s, int seqlen, int heads) {
+    const int64_t row = seqlen > 1 ? s.row : p.head_dim;
+    const int64_t head = heads > 1 ? s.head : row * seqlen;
+    const int64_t batch = p.batch > 1 ? s.batch : head * heads;
+    // The TMA boxes are kHeadDim wide; columns past head_dim (<= kHeadDim) are zero-filled,
+    // as are rows past seqlen.
     return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
                        make_shape(seqlen, p.head_dim, heads, p.batch),
-                       make_stride(s.row, _1{}, s.head, s.batch));
+                       make_stride(row, _1{}, head, batch));
   };
-  auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, rows(p.q, p.q_strides, p.seqlen_q, p.heads),
+  auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.q_strides, p.seqlen_q, p.heads),
                              typename Tr::SmemQ{});
-  auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, rows(p.k, p.k_strides, p.seqlen_k, p.heads_k),
+  auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, tensor(p.k, p.k_strides, p.seqlen_k, p.heads_k),
                              take<0, 2>(typename Tr::SmemKV{}));
-  auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, rows(p.v, p.v_strides, p.seqlen_k, p.heads_k),
+  auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, tensor(p.v, p.v_strides, p.seqlen_k, p.heads_k),
                              take<0, 2>(typename Tr::SmemKV{}));
   using Tma = FwdTma<decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
   const Tma tma{tma_q, tma_k, tma_v};
   auto kernel = fwd_kernel<Tr, Tma>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
-  const dim3 grid((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.heads, p.batch);
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma);
+  // The order in which CTAs take (query tile, head) items: FA2's (fa2_tile_order.h), heaviest
+  // tiles first, heads grouped by what fills the GPU once.
+  const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
+  const int heads_per_kv = p.heads / p.heads_k;
+  const int64_t kv_bytes = int64_t(p.seqlen_k) * Tr::kHeadDim * 2 * sizeof(Element);
+  const flash::fa2::TileOrder order = flash::fa2::tile_order(
+      m_blocks, p.batch, p.heads, heads_per_kv, kv_bytes / heads_per_kv, p.l2_bytes,
+      flash::fa2::resident_blocks(kernel, Tr::kThreads, Tr::kSmemBytes, p.num_sms));
+  if (order.items() > order.grid()) {
+    throw std::runtime_error("flash_attn fa3: more than 2^31 - 1 query tiles in one call");
+  }
+  kernel<<<order.grid(), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, order);
   FLASH_CHECK_LAUNCH();
+}
+
+template <typename T, int kHeadDim>
+void run_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Tile = FwdTile<kHeadDim>;
+  // The score mods (softcap, ALiBi) are a template flag, as in FA2: their code and registers
+  // stay out of the plain kernel. Masks and windows are runtime fields.
+  if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
+    launch_fwd<FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, true, Tile::kSchedule>>(
+        p, stream);
+  } else {
+    launch_fwd<FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, false, Tile::kSchedule>>(
+        p, stream);
+  }
 }
 
 }  // namespace flash::fa3

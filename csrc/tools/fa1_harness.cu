@@ -52,7 +52,7 @@ void register_kernels() {
   add_##direction(#dtype_name, hdim, &flash::fa1::run_##direction<T, hdim>);
 #define FLASH_HARNESS_fa2(...)
 #define FLASH_HARNESS_fa3(...)
-#define FLASH_CONFIG(family, direction, T, dtype_name, hdim, min_arch) \
+#define FLASH_CONFIG(family, direction, T, dtype_name, hdim, min_arch, max_arch) \
   FLASH_HARNESS_##family(direction, T, dtype_name, hdim)
 #include "generated/dispatch_table.inc"
 #undef FLASH_CONFIG

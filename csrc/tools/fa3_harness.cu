@@ -1,20 +1,30 @@
-// Stand-alone check of the FA3 v0 forward (before it is wired into flash_attn._C): random bf16
-// Q, K, V; the kernel against a naive fp32 reference on the GPU; max |error| and a timing.
-//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
-//        -Icsrc -I<cutlass>/include csrc/tools/fa3_harness.cu -o fa3_harness
-//   ./fa3_harness batch seqlen_q seqlen_k heads heads_k causal
+// Stand-alone check and A/B timing of the FA3 forward's schedules (serial, intra-warpgroup
+// overlap, ping-pong) at one head dim: random bf16 Q, K, V; each schedule against a naive fp32
+// reference on the GPU; max |error| and a timing (inputs L2-warm: compare schedules with each
+// other, not with benchmark_attn.py).
+//   nvcc -O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -DNDEBUG \
+//        -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -gencode arch=compute_90a,code=sm_90a \
+//        [-DFA3_HDIM=128] -Icsrc -I<cutlass>/include csrc/tools/fa3_harness.cu -o fa3_harness
+//   ./fa3_harness batch seqlen_q seqlen_k heads heads_k causal [variant index; default all]
+// Variants: FwdTile's tile with each schedule; with -DFA3_TUNE also the candidate tiles listed
+// at the end of main.
 #include <cuda_bf16.h>
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "fa3/fa3_fwd_launch.cuh"
 
+#ifndef FA3_HDIM
+#define FA3_HDIM 128
+#endif
 using Element = cutlass::bfloat16_t;
-constexpr int kD = 128;
-using Tr = flash::fa3::FwdTraits<Element, kD, 128, 2>;
+constexpr int kD = FA3_HDIM;
+template <int kBlockN, int kStages, flash::fa3::Schedule kSchedule>
+using Traits = flash::fa3::FwdTraits<__nv_bfloat16, kD, kBlockN, kStages, false, kSchedule>;
 
 // One thread per (batch, head, query row): scores, softmax and O in fp32.
 __global__ void reference(const Element* q, const Element* k, const Element* v, float* o,
@@ -68,7 +78,6 @@ int main(int argc, char** argv) {
   cudaMemcpy(q, hq.data(), nq * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(k, hk_.data(), nk * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(v, hv.data(), nk * 2, cudaMemcpyHostToDevice);
-  cudaMemset(o, 0xff, nq * 2);  // poison: NaN in bf16
   const float scale = 1.f / sqrtf(float(kD));
 
   flash::FwdParams p;
@@ -82,41 +91,81 @@ int main(int argc, char** argv) {
   p.causal = causal != 0;
   p.window_left = -1; p.window_right = causal ? 0 : -1;
 
-  flash::fa3::launch_fwd<Tr>(p, 0);
+  int device = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&p.num_sms, cudaDevAttrMultiProcessorCount, device);
+  cudaDeviceGetAttribute(&p.l2_bytes, cudaDevAttrL2CacheSize, device);
+
   reference<<<dim3((sq + 127) / 128, h, b), 128>>>(q, k, v, ref_o, ref_lse, b, sq, sk, h, hk,
                                                    causal, scale);
-  if (cudaDeviceSynchronize() != cudaSuccess) {
-    printf("CUDA error: %s\n", cudaGetErrorString(cudaGetLastError()));
-    return 1;
-  }
-  std::vector<Element> got(nq);
-  std::vector<float> want(nq), got_lse(size_t(b) * h * sq), want_lse(got_lse.size());
-  cudaMemcpy(got.data(), o, nq * 2, cudaMemcpyDeviceToHost);
+  std::vector<float> want(nq), want_lse(size_t(b) * h * sq);
   cudaMemcpy(want.data(), ref_o, nq * 4, cudaMemcpyDeviceToHost);
-  cudaMemcpy(got_lse.data(), lse, got_lse.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(want_lse.data(), ref_lse, want_lse.size() * 4, cudaMemcpyDeviceToHost);
-  double err = 0, lse_err = 0;
-  for (size_t i = 0; i < nq; ++i) err = fmax(err, fabs(double(float(got[i])) - want[i]));
-  for (size_t i = 0; i < got_lse.size(); ++i) {
-    if (std::isinf(want_lse[i])) continue;
-    lse_err = fmax(lse_err, fabs(double(got_lse[i]) - want_lse[i]));
+  bool all_ok = true;
+  auto run = [&](const char* name, auto launch) {
+    cudaMemset(o, 0xff, nq * 2);  // poison: NaN in bf16
+    cudaMemset(lse, 0xff, want_lse.size() * 4);
+    launch();
+    if (cudaDeviceSynchronize() != cudaSuccess) {
+      printf("CUDA error: %s\n", cudaGetErrorString(cudaGetLastError()));
+      exit(1);
+    }
+    std::vector<Element> got(nq);
+    std::vector<float> got_lse(want_lse.size());
+    cudaMemcpy(got.data(), o, nq * 2, cudaMemcpyDeviceToHost);
+    cudaMemcpy(got_lse.data(), lse, got_lse.size() * 4, cudaMemcpyDeviceToHost);
+    double err = 0, lse_err = 0;
+    for (size_t i = 0; i < nq; ++i) {
+      const double e = fabs(double(float(got[i])) - want[i]);
+      err = e == e ? fmax(err, e) : INFINITY;
+    }
+    for (size_t i = 0; i < got_lse.size(); ++i) {
+      if (std::isinf(want_lse[i]) && std::isinf(got_lse[i])) continue;
+      const double e = fabs(double(got_lse[i]) - want_lse[i]);
+      lse_err = e == e ? fmax(lse_err, e) : INFINITY;
+    }
+    const bool ok = err < 1e-2 && lse_err < 1e-3;  // bf16 rounding of O is ~2^-9 relative
+    all_ok = all_ok && ok;
+    cudaEvent_t t0, t1;
+    cudaEventCreate(&t0);
+    cudaEventCreate(&t1);
+    for (int i = 0; i < 3; ++i) launch();
+    cudaEventRecord(t0);
+    const int iters = 20;
+    for (int i = 0; i < iters; ++i) launch();
+    cudaEventRecord(t1);
+    cudaEventSynchronize(t1);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, t0, t1);
+    const double flops = 4.0 * b * h * double(sq) * sk * kD * (causal ? 0.5 : 1.0);
+    printf("fa3 %-22s hdim %d b=%d sq=%d sk=%d h=%d hk=%d causal=%d: max |O err| %.3e, "
+           "max |lse err| %.3e -> %s; %.3f ms, %.1f TFLOP/s\n", name, kD, b, sq, sk, h, hk,
+           causal, err, lse_err, ok ? "OK" : "FAIL", ms / iters,
+           flops / (ms / iters * 1e-3) / 1e12);
+  };
+  // The variants compared: (kBlockN, kStages, schedule) per head dim; argv[7] picks one.
+  using flash::fa3::Schedule;
+  const int only = argc > 7 ? atoi(argv[7]) : -1;
+  int index = 0;
+#define FA3_VARIANT(N, S, SCHEDULE)                                                      \
+  if (only < 0 || only == index) {                                                      \
+    run((std::to_string(N) + "x" + std::to_string(S) + " " #SCHEDULE).c_str(),             \
+        [&] { flash::fa3::launch_fwd<Traits<N, S, Schedule::SCHEDULE>>(p, 0); });        \
+  }                                                                                     \
+  ++index;
+  using flash::fa3::FwdTile;
+  FA3_VARIANT(FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, kSerial)
+  FA3_VARIANT(FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, kOverlap)
+  FA3_VARIANT(FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, kPingPong)
+#ifdef FA3_TUNE
+  // Candidates beside FwdTile's tile (fa3_tiles.h states their limits).
+  if constexpr (kD <= 128) {
+    FA3_VARIANT(FwdTile<kD>::kBlockN, 3, kSerial)
+    FA3_VARIANT(FwdTile<kD>::kBlockN, 3, kPingPong)
+    FA3_VARIANT(176, 2, kSerial)
+    FA3_VARIANT(176, 2, kPingPong)
   }
-  // bf16 rounding of O alone is ~2^-9 relative; |O| <= 1 here.
-  printf("fa3 v0 b=%d sq=%d sk=%d h=%d hk=%d causal=%d: max |O err| %.3e, max |lse err| %.3e -> %s\n",
-         b, sq, sk, h, hk, causal, err, lse_err, err < 1e-2 && lse_err < 1e-3 ? "OK" : "FAIL");
-
-  cudaEvent_t t0, t1;
-  cudaEventCreate(&t0); cudaEventCreate(&t1);
-  for (int i = 0; i < 3; ++i) flash::fa3::launch_fwd<Tr>(p, 0);
-  cudaEventRecord(t0);
-  const int iters = 20;
-  for (int i = 0; i < iters; ++i) flash::fa3::launch_fwd<Tr>(p, 0);
-  cudaEventRecord(t1);
-  cudaEventSynchronize(t1);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, t0, t1);
-  const double flops = 4.0 * b * h * double(sq) * sk * kD * (causal ? 0.5 : 1.0);
-  printf("  %.3f ms per call, %.1f TFLOP/s (harness timing, inputs L2-warm)\n", ms / iters,
-         flops / (ms / iters * 1e-3) / 1e12);
-  return err < 1e-2 && lse_err < 1e-3 ? 0 : 2;
+#endif
+#undef FA3_VARIANT
+  return all_ok ? 0 : 2;
 }

@@ -1,0 +1,281 @@
+"""FA3 (the Hopper forward) on the GPU, through the public API, held to the error-versus-error
+rule (_gpu_common.py states it): every case runs ``flash_attn_func(..., backend='fa3')`` and
+its gradient, which is fa2's backward on fa3's O and LSE, against attention_ref in float64 and
+in plain PyTorch at the input precision. So the forward is checked by the rule on out and lse,
+and the fa3-forward + fa2-backward pairing by the rule on dq, dk, dv.
+
+What is covered: every head-dim kernel (64, 96, 128, 192, 256, and the dims they serve), both
+dtypes, full / causal / sliding windows / softcap / ALiBi, MHA / GQA / MQA, seqlen pairs that
+are not multiples of the tiles (128 query rows, 80-128 keys), rows that see no key; fa3 and
+fa2 agree on the same inputs; grids past 65535 (batch x heads); inputs whose extent-1 dims
+have strides a TMA descriptor would refuse; the automatic choice on sm90 and its fallback for
+dropout.
+"""
+
+import math
+import warnings
+import zlib
+
+import pytest
+import torch
+
+import flash_attn
+from flash_attn import _dispatch
+from conftest import requires_backend
+from _gpu_common import (
+    DEVICE, DTYPE_NAMES, assert_agree, check, dtype_params, randn, reference, visibility,
+)
+
+pytestmark = requires_backend("fa3")
+
+BACKEND = "fa3"
+DTYPES = dtype_params()
+CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
+
+# Around the tiles: 128 query rows per CTA, kBlockN 128 (hdim <= 128), 112 (192), 80 (256).
+SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (129, 80), (239, 1), (256, 512),
+           (799, 3), (1023, 1024), (2048, 2048)]
+# Head dims besides 64 / 128: padded by the frontend to a multiple of 8 and run by the kernel
+# of the next instantiated dim (32, 40, 59 -> 64; 96; 111 -> 128; 160, 192 -> 192; 224, 256).
+OTHER_HEAD_DIMS = [32, 40, 59, 96, 111, 160, 192, 224, 256]
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def skip_unless_built(dtype, head_dim):
+    """Skip unless this build has fa3's forward and fa2's backward (fa3's gradient) for it."""
+    padded = -(-head_dim // 8) * 8
+    built = {(c[0], c[1], c[2]) for c in flash_attn._C.built_configs() if c[3] >= padded}
+    for family, direction in (("fa3", "fwd"), ("fa2", "bwd")):
+        if (family, direction, DTYPE_NAMES[dtype]) not in built:
+            pytest.skip(f"this build has no {family} {direction} {DTYPE_NAMES[dtype]} kernel "
+                        f"for head dim {head_dim}")
+
+
+def alibi_slopes(shape, nheads):
+    base = 2.0 ** (-8.0 * torch.arange(1, nheads + 1, device=DEVICE) / nheads)
+    return (base * (0.5 + torch.rand(shape, device=DEVICE))).float()
+
+
+def attn_args(spec, batch, nheads):
+    attn = dict(spec)
+    kind = attn.pop("alibi", None)
+    if kind is not None:
+        attn["alibi_slopes"] = alibi_slopes({"per-head": (nheads,),
+                                             "per-batch": (batch, nheads)}[kind], nheads)
+    return attn
+
+
+def fa(attn, backend=BACKEND):
+    def call(q, k, v):
+        return flash_attn.flash_attn_func(q, k, v, return_attn_probs=True, backend=backend,
+                                          **attn)
+    return call
+
+
+def qkv(b, sq, sk, h, hk, d, dtype):
+    return (randn(b, sq, h, d, dtype=dtype), randn(b, sk, hk, d, dtype=dtype),
+            randn(b, sk, hk, d, dtype=dtype))
+
+
+def run_case(b, sq, sk, h, hk, d, dtype, spec=None):
+    skip_unless_built(dtype, d)
+    attn = attn_args(spec or {}, b, h)
+    return check(qkv(b, sq, sk, h, hk, d, dtype), "qkv", dtype, fa(attn), attn)
+
+
+# ---- 1. shapes --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk", SEQLENS)
+def test_seqlens(sq, sk, d, causal, dtype):
+    run_case(2, sq, sk, 4, 4, d, dtype, dict(causal=causal))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("sq,sk,h,hk", [(113, 203, 4, 4), (239, 1, 7, 1), (1023, 1024, 6, 2),
+                                        (300, 700, 3, 3)],
+                         ids=["113x203-mha", "239x1-mqa7-1", "1023x1024-gqa6-2", "300x700-mha"])
+@pytest.mark.parametrize("d", OTHER_HEAD_DIMS)
+def test_head_dims(d, sq, sk, h, hk, causal, dtype):
+    run_case(2, sq, sk, h, hk, d, dtype, dict(causal=causal))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("h,hk,d", [(6, 2, 64), (7, 1, 128), (8, 2, 256)],
+                         ids=["gqa6-2-d64", "mqa7-1-d128", "gqa8-2-d256"])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (239, 1), (1023, 1024), (700, 300)])
+def test_gqa_mqa(sq, sk, h, hk, d, causal, dtype):
+    run_case(2, sq, sk, h, hk, d, dtype, dict(causal=causal))
+
+
+def test_tile_order_partial_last_group():
+    """CTAs take (query tile, head) items in FA2's order (groups of heads that fill the GPU
+    once); 2 x 11 heads at 4k leave a partial last group."""
+    run_case(2, 4096, 4096, 11, 11, 128, torch.bfloat16, dict(causal=True))
+
+
+# ---- 2. windows, rows without keys ------------------------------------------------------------
+
+WINDOWS = [
+    pytest.param((0, 0), False, id="w0-0"),
+    pytest.param((3, 5), False, id="w3-5"),
+    pytest.param((-1, 7), False, id="w-1-7"),
+    pytest.param((17, -1), False, id="w17--1"),
+    pytest.param((17, -1), True, id="w17-causal"),
+    pytest.param((0, -1), False, id="w0--1"),
+    pytest.param((130, 200), False, id="w130-200"),     # wider than a key tile on both sides
+    pytest.param((40, 300), False, id="w40-300"),       # a side >= seqlen_k is unbounded
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,causal", WINDOWS)
+@pytest.mark.parametrize("sq,sk,h,hk,d", [
+    (113, 203, 6, 2, 64),
+    (239, 17, 4, 4, 128),
+    (1023, 1024, 7, 1, 96),
+    (500, 900, 4, 2, 256),
+], ids=["113x203-gqa-d64", "239x17-mha-d128", "1023x1024-mqa-d96", "500x900-gqa-d256"])
+def test_window(sq, sk, h, hk, d, window, causal, dtype):
+    run_case(2, sq, sk, h, hk, d, dtype, dict(window_size=window, causal=causal))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk,spec", [
+    (300, 64, dict(window_size=(4, 2))),     # early rows' windows end before key 0
+    (64, 300, dict(window_size=(2, 3))),     # most keys are seen by no row
+    (150, 40, dict(causal=True)),            # rows 0..109 see nothing: whole CTAs idle
+    (700, 100, dict(causal=True)),           # the first four query tiles see no key at all
+], ids=["rows-before-key-0", "keys-unseen", "causal-sq>sk", "causal-empty-tiles"])
+def test_rows_with_no_key(sq, sk, spec, dtype):
+    """out 0 and lse +inf on rows that see no key (check() asserts both), including CTAs whose
+    whole query tile sees nothing (their producer loads nothing)."""
+    ours = run_case(2, sq, sk, 6, 2, 64, dtype, spec)
+    empty = ~visibility(sq, sk, spec).any(1)
+    assert empty.any()
+    assert torch.isposinf(ours.lse[:, :, empty]).all()
+    assert torch.isfinite(ours.lse[:, :, ~empty]).all()
+
+
+# ---- 3. score mods ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("softcap", [30.0, 5.0])
+@pytest.mark.parametrize("sq,sk,h,hk,d", [(113, 203, 6, 2, 64), (1023, 1024, 4, 4, 128),
+                                          (300, 500, 2, 1, 192)],
+                         ids=["113x203-gqa-d64", "1023x1024-mha-d128", "300x500-mqa-d192"])
+def test_softcap(sq, sk, h, hk, d, softcap, causal, dtype):
+    run_case(2, sq, sk, h, hk, d, dtype,
+             dict(causal=causal, softcap=softcap, softmax_scale=3.0 / math.sqrt(d)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask", [{}, dict(causal=True), dict(window_size=(64, 16))],
+                         ids=["full", "causal", "w64-16"])
+@pytest.mark.parametrize("alibi", ["per-head", "per-batch"])
+@pytest.mark.parametrize("sq,sk,d", [(113, 203, 64), (1023, 1024, 128), (257, 300, 256)],
+                         ids=["113x203-d64", "1023x1024-d128", "257x300-d256"])
+def test_alibi(sq, sk, d, alibi, mask, dtype):
+    run_case(2, sq, sk, 6, 2, d, dtype, dict(mask, alibi=alibi))
+
+
+# ---- 4. fa3 against fa2 -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", [{}, dict(causal=True), dict(window_size=(100, 30)),
+                                  dict(causal=True, softcap=20.0)],
+                         ids=["full", "causal", "w100-30", "causal-softcap"])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_agrees_with_fa2(d, spec, dtype):
+    """Same inputs, both families: out within 2 x PyTorch's error (+ ulp) of each other, and
+    the lse within the lse tolerance."""
+    skip_unless_built(dtype, d)
+    b, sq, sk, h, hk = 2, 517, 1031, 6, 2
+    q, k, v = qkv(b, sq, sk, h, hk, d, dtype)
+    out3, lse3, _ = flash_attn.flash_attn_func(q, k, v, return_attn_probs=True, backend="fa3",
+                                               **spec)
+    out2, lse2, _ = flash_attn.flash_attn_func(q, k, v, return_attn_probs=True, backend="fa2",
+                                               **spec)
+    dout = torch.zeros_like(q)
+    truth = reference((q, k, v), lambda *t: t, dout, True, spec)
+    lowp = reference((q, k, v), lambda *t: t, dout, False, spec)
+    assert_agree("out", out3, out2, truth.out, lowp.out, dtype)
+    finite = torch.isfinite(lse2)
+    assert torch.equal(finite, torch.isfinite(lse3))
+    assert (lse3[finite] - lse2[finite]).abs().max().item() <= 4e-4 * (1 + lse2[finite].abs().max().item())
+
+
+# ---- 5. layouts and grids ---------------------------------------------------------------------
+
+def test_grid_past_65535_heads():
+    """batch x heads = 70400 > 65535 (the limit of a grid's y and z): the grid is 1-D."""
+    run_case(1100, 16, 16, 64, 64, 64, torch.bfloat16, dict(causal=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_and_strided_inputs(dtype):
+    """qkv packed (strided views of one tensor), and q of seqlen 1 whose row stride (3
+    elements) no TMA descriptor accepts: the launcher replaces strides of extent-1 dims."""
+    skip_unless_built(dtype, 64)
+    b, s, h, d = 2, 333, 4, 64
+    qkv_packed = randn(b, s, 3, h, d, dtype=dtype)
+    out = flash_attn.flash_attn_qkvpacked_func(qkv_packed, causal=True, backend=BACKEND)
+    q, k, v = qkv_packed.unbind(2)
+    want = flash_attn.flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous(),
+                                      causal=True, backend=BACKEND)
+    assert torch.equal(out, want)
+    base = randn(b * h * d + 8, dtype=dtype)
+    q1 = base.as_strided((b, 1, h, d), (h * d, 3, d, 1))
+    k1, v1 = randn(b, 50, h, d, dtype=dtype), randn(b, 50, h, d, dtype=dtype)
+    got = flash_attn.flash_attn_func(q1, k1, v1, backend=BACKEND)
+    want = flash_attn.flash_attn_func(q1.contiguous(), k1, v1, backend=BACKEND)
+    assert torch.equal(got, want)
+
+
+# ---- 6. dispatch on sm90 ----------------------------------------------------------------------
+
+def test_default_on_sm90_is_fa3():
+    if _dispatch.device_arch(DEVICE) != 90:
+        pytest.skip("the automatic choice of fa3 is for sm90")
+    q, k, v = qkv(1, 64, 64, 2, 2, 128, torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _dispatch.BackendFallbackWarning)
+        assert flash_attn.select_backend(q, k, v, causal=True) == "fa3"
+        q.requires_grad_()
+        assert flash_attn.select_backend(q, k, v, causal=True) == "fa3"   # + fa2's backward
+    with pytest.warns(_dispatch.BackendFallbackWarning, match=r"fa3 does not support dropout"):
+        assert flash_attn.select_backend(q, k, v, dropout_p=0.1) == "fa2"
+
+
+def test_forced_fa3_with_dropout_is_an_error():
+    q, k, v = qkv(1, 64, 64, 2, 2, 64, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call .*"
+                                                  r"fa3 does not support dropout_p > 0"):
+        flash_attn.flash_attn_func(q, k, v, dropout_p=0.1, backend=BACKEND)
+    # The GPU is still usable.
+    assert torch.isfinite(flash_attn.flash_attn_func(q, k, v, backend=BACKEND)).all()
+
+
+# ---- 7. small cases for compute-sanitizer (.ci/gpu sanitize runs `-k sanitize`) ---------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,spec", [
+    pytest.param(1, 113, 203, 6, 2, 40, dict(causal=True), id="causal-gqa-d40"),
+    pytest.param(2, 239, 17, 4, 4, 128, dict(window_size=(3, 2)), id="window-rows-without-key"),
+    pytest.param(1, 65, 129, 2, 1, 96, dict(softcap=10.0, alibi="per-head"),
+                 id="softcap-alibi-mqa-d96"),
+    pytest.param(2, 33, 300, 4, 2, 256, dict(window_size=(16, 8)), id="window-d256"),
+    pytest.param(1, 130, 70, 3, 3, 192, dict(causal=True, window_size=(9, -1), alibi="per-head"),
+                 id="local-sq>sk-d192"),
+])
+def test_sanitize_small_fa3(b, sq, sk, h, hk, d, spec, dtype):
+    run_case(b, sq, sk, h, hk, d, dtype, spec)
