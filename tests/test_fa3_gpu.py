@@ -149,18 +149,19 @@ def test_window(sq, sk, h, hk, d, window, causal, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("sq,sk,spec", [
-    (300, 64, dict(window_size=(4, 2))),     # early rows' windows end before key 0
-    (64, 300, dict(window_size=(2, 3))),     # most keys are seen by no row
-    (150, 40, dict(causal=True)),            # rows 0..109 see nothing: whole CTAs idle
-    (700, 100, dict(causal=True)),           # the first four query tiles see no key at all
+@pytest.mark.parametrize("sq,sk,spec,rows_empty", [
+    (300, 64, dict(window_size=(4, 2)), True),     # early rows' windows end before key 0
+    (64, 300, dict(window_size=(2, 3)), False),    # most keys are seen by no row
+    (150, 40, dict(causal=True), True),            # rows 0..109 see nothing: whole CTAs idle
+    (700, 100, dict(causal=True), True),           # the first four query tiles see no key
 ], ids=["rows-before-key-0", "keys-unseen", "causal-sq>sk", "causal-empty-tiles"])
-def test_rows_with_no_key(sq, sk, spec, dtype):
-    """out 0 and lse +inf on rows that see no key (check() asserts both), including CTAs whose
-    whole query tile sees nothing (their producer loads nothing)."""
+def test_rows_with_no_key(sq, sk, spec, rows_empty, dtype):
+    """out 0 and lse +inf on rows that see no key (check() asserts both, and out 0 / dk, dv 0
+    where no key / row reaches), including CTAs whose whole query tile sees nothing (their
+    producer loads nothing)."""
     ours = run_case(2, sq, sk, 6, 2, 64, dtype, spec)
     empty = ~visibility(sq, sk, spec).any(1)
-    assert empty.any()
+    assert bool(empty.any()) == rows_empty
     assert torch.isposinf(ours.lse[:, :, empty]).all()
     assert torch.isfinite(ours.lse[:, :, ~empty]).all()
 
