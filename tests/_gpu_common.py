@@ -92,6 +92,30 @@ def randn(*shape, dtype, scale=1.0):
     return t if scale == 1.0 else t.mul_(scale)
 
 
+def qkv(b, sq, sk, h, hk, d, dtype):
+    """Fresh random q (b, sq, h, d) and k, v (b, sk, hk, d) on the GPU."""
+    return (randn(b, sq, h, d, dtype=dtype), randn(b, sk, hk, d, dtype=dtype),
+            randn(b, sk, hk, d, dtype=dtype))
+
+
+def alibi_slopes(shape, nheads):
+    """ALiBi's geometric slopes 2^(-8 (i + 1) / nheads), each times a random factor in
+    [0.5, 1.5) (so the rows of a (batch, nheads) tensor differ), fp32 on the GPU."""
+    base = 2.0 ** (-8.0 * torch.arange(1, nheads + 1, device=DEVICE) / nheads)
+    return (base * (0.5 + torch.rand(shape, device=DEVICE))).float()
+
+
+def attn_args(spec, batch, nheads):
+    """flash_attn_func keyword arguments from a parametrisation: ``alibi`` ('per-head' /
+    'per-batch') becomes random slopes."""
+    attn = dict(spec)
+    kind = attn.pop("alibi", None)
+    if kind is not None:
+        attn["alibi_slopes"] = alibi_slopes({"per-head": (nheads,),
+                                             "per-batch": (batch, nheads)}[kind], nheads)
+    return attn
+
+
 def leaves(tensors, dtype=None):
     return [t.detach().to(dtype or t.dtype).clone().requires_grad_() for t in tensors]
 

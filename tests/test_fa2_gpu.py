@@ -26,9 +26,9 @@ import torch
 import flash_attn
 from conftest import requires_backend
 from _gpu_common import (
-    DEVICE, GIB, Result, Rule, assert_agree, assert_lse, assert_result, assert_rule, check,
-    dtype_params, keep_mask, leaves, randn, reference, reference_attn, require_free_memory,
-    run_ours, skip_unless_built, unpacked, visibility,
+    DEVICE, GIB, Result, Rule, alibi_slopes, assert_agree, assert_lse, assert_result,
+    assert_rule, attn_args, check, dtype_params, keep_mask, leaves, qkv, randn, reference,
+    reference_attn, require_free_memory, run_ours, skip_unless_built, unpacked, visibility,
 )
 
 pytestmark = requires_backend("fa2")
@@ -52,33 +52,11 @@ def _seed(request):
 
 # ---- helpers ----------------------------------------------------------------------------------
 
-def alibi_slopes(shape, nheads):
-    """ALiBi's geometric slopes 2^(-8 (i + 1) / nheads), each times a random factor in
-    [0.5, 1.5) (so the rows of a (batch, nheads) tensor differ), fp32 on the GPU."""
-    base = 2.0 ** (-8.0 * torch.arange(1, nheads + 1, device=DEVICE) / nheads)
-    return (base * (0.5 + torch.rand(shape, device=DEVICE))).float()
-
-
-def attn_args(spec, batch, nheads):
-    """flash_attn_func keyword arguments from a parametrisation: ``alibi`` becomes slopes."""
-    attn = dict(spec)
-    kind = attn.pop("alibi", None)
-    if kind is not None:
-        attn["alibi_slopes"] = alibi_slopes({"per-head": (nheads,),
-                                             "per-batch": (batch, nheads)}[kind], nheads)
-    return attn
-
-
 def fa2(attn, backend=BACKEND, deterministic=False):
     def call(q, k, v):
         return flash_attn.flash_attn_func(q, k, v, deterministic=deterministic,
                                           return_attn_probs=True, backend=backend, **attn)
     return call
-
-
-def qkv(b, sq, sk, h, hk, d, dtype):
-    return (randn(b, sq, h, d, dtype=dtype), randn(b, sk, hk, d, dtype=dtype),
-            randn(b, sk, hk, d, dtype=dtype))
 
 
 def run_case(b, sq, sk, h, hk, d, dtype, spec=None, deterministic=False):

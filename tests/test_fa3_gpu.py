@@ -23,7 +23,8 @@ import flash_attn
 from flash_attn import _dispatch
 from conftest import requires_backend
 from _gpu_common import (
-    DEVICE, DTYPE_NAMES, assert_agree, check, dtype_params, randn, reference, visibility,
+    DEVICE, DTYPE_NAMES, assert_agree, attn_args, check, dtype_params, qkv, randn, reference,
+    visibility,
 )
 
 pytestmark = requires_backend("fa3")
@@ -55,30 +56,11 @@ def skip_unless_built(dtype, head_dim):
                         f"for head dim {head_dim}")
 
 
-def alibi_slopes(shape, nheads):
-    base = 2.0 ** (-8.0 * torch.arange(1, nheads + 1, device=DEVICE) / nheads)
-    return (base * (0.5 + torch.rand(shape, device=DEVICE))).float()
-
-
-def attn_args(spec, batch, nheads):
-    attn = dict(spec)
-    kind = attn.pop("alibi", None)
-    if kind is not None:
-        attn["alibi_slopes"] = alibi_slopes({"per-head": (nheads,),
-                                             "per-batch": (batch, nheads)}[kind], nheads)
-    return attn
-
-
 def fa(attn, backend=BACKEND):
     def call(q, k, v):
         return flash_attn.flash_attn_func(q, k, v, return_attn_probs=True, backend=backend,
                                           **attn)
     return call
-
-
-def qkv(b, sq, sk, h, hk, d, dtype):
-    return (randn(b, sq, h, d, dtype=dtype), randn(b, sk, hk, d, dtype=dtype),
-            randn(b, sk, hk, d, dtype=dtype))
 
 
 def run_case(b, sq, sk, h, hk, d, dtype, spec=None):
