@@ -30,12 +30,12 @@ struct Softmax {
   }
 
   // update() in two halves, for a caller whose O is still being written by an asynchronous
-  // GEMM when the next scores are ready (FA3): online() moves the max and the sum and turns S
-  // into P; when it returns true, O must be multiplied by correction (rescale()) before the
-  // next P V is added to it. kLazy = false: no lazy rescaling, so no branch: the correction is
-  // always computed and the result always true (after the first tile). ptxas waits for every
-  // WGMMA in flight before the lazy branch, which would serialise FA3's overlap.
-  template <bool kFirst, bool kLazy = true, class S>
+  // GEMM when the next scores are ready (FA3): online() moves the max and the sum, turns S
+  // into P and returns whether O must be multiplied by correction (rescale()) before the next
+  // P V is added to it. kBranch = false: the lazy decision is applied with selects, leaving
+  // the caller's O rescale the only branch, after the exponentials: ptxas waits for every
+  // WGMMA in flight before a branch, which must not come before the softmax in FA3.
+  template <bool kFirst, bool kBranch = true, class S>
   __device__ __forceinline__ bool online(S& s, float scale_log2, float (&correction)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
     float tile_max[kRows];
@@ -52,20 +52,25 @@ struct Softmax {
       // multiply per O element per tile, the bulk of the softmax's ALU work at large head
       // dims) is skipped once the max has settled, which is most tiles. lse uses the same max
       // as l, so the result is exact.
-      if (!kFirst && kLazy) grow |= (tile_max[mi] - row_max[mi]) * scale_log2 > kRescaleLog2;
+      if (!kFirst) grow |= (tile_max[mi] - row_max[mi]) * scale_log2 > kRescaleLog2;
     }
-    const bool rescale_o = !kFirst && (!kLazy || __any_sync(0xffffffffu, grow));
-    if (kFirst || rescale_o) {
+    const bool rescale_o = !kFirst && __any_sync(0xffffffffu, grow);
+    auto move_max = [&](bool apply) {
 #pragma unroll
       for (int mi = 0; mi < kRows; ++mi) {
         if (!kFirst) {
           const float prev = row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2;
           const float next = tile_max[mi] == -INFINITY ? 0.f : tile_max[mi] * scale_log2;
-          correction[mi] = exp2_approx(prev - next);
+          correction[mi] = apply ? exp2_approx(prev - next) : 1.f;
           row_sum[mi] *= correction[mi];
         }
-        row_max[mi] = tile_max[mi];
+        row_max[mi] = apply ? tile_max[mi] : row_max[mi];
       }
+    };
+    if constexpr (kBranch) {
+      if (kFirst || rescale_o) move_max(true);
+    } else {
+      move_max(kFirst || rescale_o);
     }
 #pragma unroll
     for (int mi = 0; mi < kRows; ++mi) {

@@ -241,9 +241,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       };
       flash::fa2::walk_key_tiles(tiles, step);
     } else {
-      // Tile n's step issues S[n] = Q K[n]^T, then P[n-1] V[n-1] (its P kept in 16 bits in
-      // rP), and runs the softmax of S[n] while P[n-1] V[n-1] is on the tensor cores. O is
-      // rescaled for tile n's max only at the next step, once P[n-1] V[n-1] has retired.
+      // Tile n's step issues S[n] = Q K[n]^T, then P[n+1] V[n+1] (the tile before: keys walk
+      // downwards, its P kept in 16 bits in rP), and runs the softmax of S[n] while
+      // P[n+1] V[n+1] is on the tensor cores. Then it waits for P[n+1] V[n+1], rescales O for
+      // tile n's max if the max grew (lazily, as FA2) and converts P[n] into rP.
+      //
+      // Where the wait for P[n+1] V[n+1] lands is up to ptxas, which moves a wait above any
+      // ALU work of its basic block (fa3_notes.md, session 11): a wait after the softmax in
+      // the same block ran before it. The O rescale's branch, after the exponentials, ends
+      // the block, so the wait comes after the softmax. (Keeping P V in flight across the
+      // step instead made ptxas serialise every WGMMA or reuse the registers it reads.)
       //
       // Ping-pong: the consumers take turns issuing their GEMMs (turn barrier = the named
       // barrier of 256 threads a consumer syncs on before issuing; the other consumer arrives
@@ -261,39 +268,38 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       Tensor rP = make_tensor<Element>(acc_s.layout());
       Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-      // O's correction for the max of the tile whose P is in rP; applied without a branch (a
-      // branch between the two GEMMs would make ptxas wait for the first).
-      float correction[2] = {1.f, 1.f};
       cutlass::PipelineState<Tr::kStages> prev;
       auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
+        constexpr bool kFirst = decltype(first)::value;
         pipe_k.consumer_wait(state);
         take_turn();
         wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
-        if constexpr (!decltype(first)::value) {
-          softmax.rescale(acc_o_rc, correction);
+        if constexpr (!kFirst) {
           pipe_v.consumer_wait(prev);
           wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o);
         }
         pass_turn();
-        warpgroup_wait<decltype(first)::value ? 0 : 1>();
+        warpgroup_wait<kFirst ? 0 : 1>();  // S[n]; P[n+1] V[n+1] runs on
         pipe_k.consumer_release(state);
         scores(n, masked);
-        // Not lazy: its branch would make ptxas wait for P[n-1] V[n-1] first (fa2_softmax.h).
-        softmax.template online<decltype(first)::value, false>(s_rc, p.softmax_scale_log2,
-                                                               correction);
-        warpgroup_fence_operand(acc_s);
-        if constexpr (!decltype(first)::value) {
+        float correction[2];
+        const bool rescale_o =
+            softmax.template online<kFirst, /*kBranch=*/false>(s_rc, p.softmax_scale_log2,
+                                                                correction);
+        if constexpr (!kFirst) {
+          if (rescale_o) {
+            warpgroup_wait<0>();
+            softmax.rescale(acc_o_rc, correction);
+          }
           warpgroup_wait<0>();
           pipe_v.consumer_release(prev);
         }
-        Tensor converted = flash::fa2::convert_fragment<Element>(acc_s);
-        copy(converted, rP);
+        copy(flash::fa2::convert_fragment<Element>(acc_s), rP);
         prev = state;
         ++state;
       };
       flash::fa2::walk_key_tiles(tiles, step);
       // The last tile's P V.
-      softmax.rescale(acc_o_rc, correction);
       pipe_v.consumer_wait(prev);
       take_turn();
       wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o);

@@ -160,10 +160,13 @@ int main(int argc, char** argv) {
 #ifdef FA3_TUNE
   // Candidates beside FwdTile's tile (fa3_tiles.h states their limits).
   if constexpr (kD <= 128) {
-    FA3_VARIANT(FwdTile<kD>::kBlockN, 3, kSerial)
-    FA3_VARIANT(FwdTile<kD>::kBlockN, 3, kPingPong)
     FA3_VARIANT(176, 2, kSerial)
+    FA3_VARIANT(176, 2, kOverlap)
     FA3_VARIANT(176, 2, kPingPong)
+  }
+  if constexpr (kD == 64) {
+    FA3_VARIANT(128, 2, kSerial)
+    FA3_VARIANT(128, 2, kOverlap)
   }
 #endif
 #undef FA3_VARIANT
