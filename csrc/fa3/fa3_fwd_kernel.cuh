@@ -1,7 +1,7 @@
-// FA3 forward (issue 4; plan and measurements in benchmarks/results/fa3_notes.md): one CTA
-// per (128-row query tile, head, batch), three warpgroups. Warpgroup 0 produces: one thread
-// issues TMA loads of Q (once) and of K and V into a ring of kStages buffers guarded by
-// mbarriers (CUTLASS's PipelineTmaAsync). Warpgroups 1 and 2 consume, 64 query rows each (the
+// FA3 forward (issue 4; plan and measurements in benchmarks/results/fa3_notes.md): a
+// persistent grid of CTAs that stride over the (128-row query tile, head, batch) items, three
+// warpgroups each. Warpgroup 0 produces: one thread issues TMA loads of each tile's Q and of K
+// and V into a ring of kStages buffers guarded by mbarriers (CUTLASS's PipelineTmaAsync). Warpgroups 1 and 2 consume, 64 query rows each (the
 // WGMMA M):
 //   S = Q K[n]^T        SS WGMMA from shared memory
 //   score mod, mask, online softmax (FA2's ScoreMod, Mask and Softmax: the same conventions)
@@ -70,7 +70,8 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> v;
     typename Pipeline::SharedStorage pipe_k, pipe_v;
-    alignas(8) uint64_t q_full;
+    alignas(8) uint64_t q_full;   // Q loaded (the producer's transaction)
+    alignas(8) uint64_t q_empty;  // every consumer thread done with Q (the next tile may load)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -129,15 +130,30 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Tr::SharedStorage*>(smem_raw);
 
-  // One work item per CTA (the launcher checks the grid covers them): FA2's order, tile 0 the
-  // last query tile, which has the most keys under a causal mask.
-  const flash::fa2::WorkItem w = order.decode(blockIdx.x);
-  const int m_block = order.tiles - 1 - w.tile, head = w.head, batch = w.batch;
-  const int head_k = w.head_k;
-  const int row0 = m_block * kBlockM;
-  const int wg = threadIdx.x / 128, wg_tid = threadIdx.x % 128;
+  // Persistent: the CTAs (as many as the GPU holds, launcher) stride over the work items in
+  // FA2's order, heaviest first (tile 0 = the last query tile, which has the most keys under a
+  // causal mask). While the consumers finish a tile (last P V, epilogue), the producer already
+  // loads the next tile's Q (once they release it: q_empty) and K / V: the per-tile fill that
+  // one CTA per tile paid. Producer and consumers decode the same items; both skip a tile that
+  // sees no key without loading or waiting (its rows are written as zeros, lse +inf).
+  const int64_t items = order.items();
+  struct Item {
+    int m_block, head, batch, head_k, row0;
+    flash::fa2::KeyTiles tiles;
+  };
   const flash::fa2::Mask mask(p);
-  const flash::fa2::KeyTiles tiles = mask.key_tiles<kBlockM, kBlockN>(row0);
+  auto item_at = [&](int64_t i) {
+    const flash::fa2::WorkItem w = order.decode(i);
+    Item it;
+    it.m_block = order.tiles - 1 - w.tile;
+    it.head = w.head;
+    it.batch = w.batch;
+    it.head_k = w.head_k;
+    it.row0 = it.m_block * kBlockM;
+    it.tiles = mask.key_tiles<kBlockM, kBlockN>(it.row0);
+    return it;
+  };
+  const int wg = threadIdx.x / 128, wg_tid = threadIdx.x % 128;
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
   Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
@@ -153,6 +169,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   Pipeline pipe_v(shared.pipe_v, pipe_params, Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&shared.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&shared.q_empty, 128 * Tr::kConsumers);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();  // barriers initialised before anyone waits on them
@@ -160,33 +177,42 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (wg == 0) {
     // ---- producer ----------------------------------------------------------------------
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (wg_tid == 0 && !tiles.empty()) {
+    if (wg_tid == 0) {
       Tensor mQ = tma.q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.heads, p.batch));
       Tensor mK = tma.k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.heads_k, p.batch));
       Tensor mV = tma.v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.heads_k, p.batch));
-      Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                             make_coord(m_block, 0));
-      Tensor gK = local_tile(mK(_, _, head_k, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                             make_coord(_, 0));  // (BN, hdim, n)
-      Tensor gV = local_tile(mV(_, _, head_k, batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                             make_coord(_, 0));
       Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
-      auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                      group_modes<0, 2>(gQ));
-      auto [tKg, tKs] = tma_partition(tma.k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                      group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                      group_modes<0, 2>(gV));
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.q_full,
-                                                                     Tr::kTmaBytesQ);
-      copy(tma.q.with(shared.q_full), tQg, tQs);
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int n = tiles.end - 1; n >= tiles.begin; --n) {
-        pipe_k.producer_acquire(state);
-        copy(tma.k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n), tKs(_, state.index()));
-        pipe_v.producer_acquire(state);
-        copy(tma.v.with(*pipe_v.producer_get_barrier(state)), tVg(_, n), tVs(_, state.index()));
-        ++state;
+      int q_loads = 0;
+      for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
+        const Item it = item_at(i);
+        if (it.tiles.empty()) continue;
+        Tensor gQ = local_tile(mQ(_, _, it.head, it.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                               make_coord(it.m_block, 0));
+        Tensor gK = local_tile(mK(_, _, it.head_k, it.batch),
+                               Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+        Tensor gV = local_tile(mV(_, _, it.head_k, it.batch),
+                               Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+        auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                        group_modes<0, 2>(gQ));
+        auto [tKg, tKs] = tma_partition(tma.k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                        group_modes<0, 2>(gK));
+        auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                        group_modes<0, 2>(gV));
+        if (q_loads > 0) cutlass::arch::ClusterBarrier::wait(&shared.q_empty, (q_loads - 1) & 1);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.q_full,
+                                                                       Tr::kTmaBytesQ);
+        copy(tma.q.with(shared.q_full), tQg, tQs);
+        ++q_loads;
+        for (int n = it.tiles.end - 1; n >= it.tiles.begin; --n) {
+          pipe_k.producer_acquire(state);
+          copy(tma.k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n),
+               tKs(_, state.index()));
+          pipe_v.producer_acquire(state);
+          copy(tma.v.with(*pipe_v.producer_get_barrier(state)), tVg(_, n),
+               tVs(_, state.index()));
+          ++state;
+        }
       }
     }
     return;
@@ -205,136 +231,145 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   Tensor tOrVt = thr_o.partition_fragment_B(sVt);   // (MMA, N, K, stage)
 
   Tensor acc_o = partition_fragment_C(mma_o, Shape<_64, Int<kHeadDim>>{});
-  clear(acc_o);
   Tensor acc_o_rc = make_tensor(acc_o.data(), rowcol(acc_o.layout()));
   Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
   Tensor cS_rc = make_tensor(cS.data(), rowcol(cS.layout()));
-  const int wg_row0 = row0 + 64 * cw;
-  const flash::fa2::ScoreMod score_mod(p, batch, head);
-
-  flash::fa2::Softmax<2> softmax;
-  if (!tiles.empty()) {
-    cutlass::arch::ClusterTransactionBarrier::wait(&shared.q_full, 0);
-    Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});
-    Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
-    // Score mod and mask of key tile n, in place in acc_s.
-    auto scores = [&](int n, auto masked) __attribute__((always_inline)) {
-      if constexpr (Tr::kScoreMod) score_mod.apply(s_rc, cS_rc, wg_row0, n * kBlockN);
-      if constexpr (decltype(masked)::value) mask.apply(s_rc, cS_rc, wg_row0, n * kBlockN);
-    };
-    cutlass::PipelineState<Tr::kStages> state;
-    if constexpr (Tr::kSchedule == Schedule::kSerial) {
-      auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
-        pipe_k.consumer_wait(state);
-        wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
-        warpgroup_wait<0>();
-        pipe_k.consumer_release(state);
-        scores(n, masked);
-        softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, p.softmax_scale_log2);
-        Tensor rP = flash::fa2::convert_fragment<Element>(acc_s);
-        Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-        pipe_v.consumer_wait(state);
-        wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, state.index()), acc_o);
-        warpgroup_wait<0>();
-        pipe_v.consumer_release(state);
-        ++state;
-      };
-      flash::fa2::walk_key_tiles(tiles, step);
-    } else {
-      // Tile n's step issues S[n] = Q K[n]^T, then P[n+1] V[n+1] (the tile before: keys walk
-      // downwards, its P kept in 16 bits in rP), and runs the softmax of S[n] while
-      // P[n+1] V[n+1] is on the tensor cores. Then it waits for P[n+1] V[n+1], rescales O for
-      // tile n's max if the max grew (lazily, as FA2) and converts P[n] into rP.
-      //
-      // Where the wait for P[n+1] V[n+1] lands is up to ptxas, which moves a wait above any
-      // ALU work of its basic block (fa3_notes.md, session 11): a wait after the softmax in
-      // the same block ran before it. The O rescale's branch, after the exponentials, ends
-      // the block, so the wait comes after the softmax. (Keeping P V in flight across the
-      // step instead made ptxas serialise every WGMMA or reuse the registers it reads.)
-      //
-      // Ping-pong: the consumers take turns issuing their GEMMs (turn barrier = the named
-      // barrier of 256 threads a consumer syncs on before issuing; the other consumer arrives
-      // on it once it has issued its own). Consumer 1 gives consumer 0 the first turn and
-      // skips its last arrive, so every barrier sees as many arrives as syncs.
-      constexpr bool kPingPong = Tr::kSchedule == Schedule::kPingPong;
-      auto take_turn = [&] {
-        if constexpr (kPingPong) cutlass::arch::NamedBarrier::sync(256, cw);
-      };
-      auto pass_turn = [&] {
-        if constexpr (kPingPong) cutlass::arch::NamedBarrier::arrive(256, 1 - cw);
-      };
-      if constexpr (kPingPong) {
-        if (cw == 1) cutlass::arch::NamedBarrier::arrive(256, 0);
-      }
-      Tensor rP = make_tensor<Element>(acc_s.layout());
-      Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-      cutlass::PipelineState<Tr::kStages> prev;
-      auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
-        constexpr bool kFirst = decltype(first)::value;
-        pipe_k.consumer_wait(state);
-        take_turn();
-        wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
-        if constexpr (!kFirst) {
-          pipe_v.consumer_wait(prev);
-          wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o);
-        }
-        pass_turn();
-        warpgroup_wait<kFirst ? 0 : 1>();  // S[n]; P[n+1] V[n+1] runs on
-        pipe_k.consumer_release(state);
-        scores(n, masked);
-        float correction[2];
-        const bool rescale_o =
-            softmax.template online<kFirst, /*kBranch=*/false>(s_rc, p.softmax_scale_log2,
-                                                                correction);
-        if constexpr (!kFirst) {
-          if (rescale_o) {
-            warpgroup_wait<0>();
-            softmax.rescale(acc_o_rc, correction);
-          }
-          warpgroup_wait<0>();
-          pipe_v.consumer_release(prev);
-        }
-        copy(flash::fa2::convert_fragment<Element>(acc_s), rP);
-        prev = state;
-        ++state;
-      };
-      flash::fa2::walk_key_tiles(tiles, step);
-      // The last tile's P V.
-      pipe_v.consumer_wait(prev);
-      take_turn();
-      wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o);
-      if (cw == 0) pass_turn();
-      warpgroup_wait<0>();
-      pipe_v.consumer_release(prev);
-    }
-  } else {
-    for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
-  }
-
-  // ---- epilogue: O /= l, straight from registers to global (v0), and the lse -------------
-  float lse[2];
-  softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);
-  if (tiles.empty()) clear(acc_o);
-  Element* o = static_cast<Element*>(p.o) + batch * p.o_strides.batch + head * p.o_strides.head;
   Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), rowcol(cO.layout()));
-  CUTE_UNROLL
-  for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
-    const int row = wg_row0 + get<0>(cO_rc(mi, 0));
-    if (row >= p.seqlen_q) continue;
+  cutlass::PipelineState<Tr::kStages> state;  // runs on across tiles, as the producer's
+  int q_loads = 0;
+
+  for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
+    const Item it = item_at(i);
+    const flash::fa2::KeyTiles tiles = it.tiles;
+    const int head = it.head, batch = it.batch;
+    const int wg_row0 = it.row0 + 64 * cw;
+    const flash::fa2::ScoreMod score_mod(p, batch, head);
+    clear(acc_o);
+
+    flash::fa2::Softmax<2> softmax;
+    if (!tiles.empty()) {
+      cutlass::arch::ClusterTransactionBarrier::wait(&shared.q_full, q_loads & 1);
+      ++q_loads;
+      Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});
+      Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
+      // Score mod and mask of key tile n, in place in acc_s.
+      auto scores = [&](int n, auto masked) __attribute__((always_inline)) {
+        if constexpr (Tr::kScoreMod) score_mod.apply(s_rc, cS_rc, wg_row0, n * kBlockN);
+        if constexpr (decltype(masked)::value) mask.apply(s_rc, cS_rc, wg_row0, n * kBlockN);
+      };
+      if constexpr (Tr::kSchedule == Schedule::kSerial) {
+        auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
+          pipe_k.consumer_wait(state);
+          wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+          warpgroup_wait<0>();
+          pipe_k.consumer_release(state);
+          scores(n, masked);
+          softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, p.softmax_scale_log2);
+          Tensor rP = flash::fa2::convert_fragment<Element>(acc_s);
+          Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+          pipe_v.consumer_wait(state);
+          wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, state.index()), acc_o);
+          warpgroup_wait<0>();
+          pipe_v.consumer_release(state);
+          ++state;
+        };
+        flash::fa2::walk_key_tiles(tiles, step);
+      } else {
+        // Tile n's step issues S[n] = Q K[n]^T, then P[n+1] V[n+1] (the tile before: keys walk
+        // downwards, its P kept in 16 bits in rP), and runs the softmax of S[n] while
+        // P[n+1] V[n+1] is on the tensor cores. Then it waits for P[n+1] V[n+1], rescales O for
+        // tile n's max if the max grew (lazily, as FA2) and converts P[n] into rP.
+        //
+        // Where the wait for P[n+1] V[n+1] lands is up to ptxas, which moves a wait above any
+        // ALU work of its basic block (fa3_notes.md, session 11): a wait after the softmax in
+        // the same block ran before it. The O rescale's branch, after the exponentials, ends
+        // the block, so the wait comes after the softmax. (Keeping P V in flight across the
+        // step instead made ptxas serialise every WGMMA or reuse the registers it reads.)
+        //
+        // Ping-pong: the consumers take turns issuing their GEMMs (turn barrier = the named
+        // barrier of 256 threads a consumer syncs on before issuing; the other consumer arrives
+        // on it once it has issued its own). Consumer 1 gives consumer 0 the first turn and
+        // skips its last arrive, so every barrier sees as many arrives as syncs.
+        constexpr bool kPingPong = Tr::kSchedule == Schedule::kPingPong;
+        auto take_turn = [&] {
+          if constexpr (kPingPong) cutlass::arch::NamedBarrier::sync(256, cw);
+        };
+        auto pass_turn = [&] {
+          if constexpr (kPingPong) cutlass::arch::NamedBarrier::arrive(256, 1 - cw);
+        };
+        if constexpr (kPingPong) {
+          if (cw == 1) cutlass::arch::NamedBarrier::arrive(256, 0);
+        }
+        Tensor rP = make_tensor<Element>(acc_s.layout());
+        Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+        cutlass::PipelineState<Tr::kStages> prev;
+        auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
+          constexpr bool kFirst = decltype(first)::value;
+          pipe_k.consumer_wait(state);
+          take_turn();
+          wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+          if constexpr (!kFirst) {
+            pipe_v.consumer_wait(prev);
+            wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o);
+          }
+          pass_turn();
+          warpgroup_wait<kFirst ? 0 : 1>();  // S[n]; P[n+1] V[n+1] runs on
+          pipe_k.consumer_release(state);
+          scores(n, masked);
+          float correction[2];
+          const bool rescale_o =
+              softmax.template online<kFirst, /*kBranch=*/false>(s_rc, p.softmax_scale_log2,
+                                                                  correction);
+          if constexpr (!kFirst) {
+            if (rescale_o) {
+              warpgroup_wait<0>();
+              softmax.rescale(acc_o_rc, correction);
+            }
+            warpgroup_wait<0>();
+            pipe_v.consumer_release(prev);
+          }
+          copy(flash::fa2::convert_fragment<Element>(acc_s), rP);
+          prev = state;
+          ++state;
+        };
+        flash::fa2::walk_key_tiles(tiles, step);
+        // The last tile's P V.
+        pipe_v.consumer_wait(prev);
+        take_turn();
+        wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o);
+        if (cw == 0) pass_turn();
+        warpgroup_wait<0>();
+        pipe_v.consumer_release(prev);
+      }
+      cutlass::arch::ClusterBarrier::arrive(&shared.q_empty);  // every S GEMM has retired
+    } else {
+      for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
+    }
+
+    // ---- epilogue: O /= l, straight from registers to global (v0), and the lse -------------
+    float lse[2];
+    softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);
+    if (tiles.empty()) clear(acc_o);
+    Element* o = static_cast<Element*>(p.o) + batch * p.o_strides.batch + head * p.o_strides.head;
     CUTE_UNROLL
-    for (int ci = 0; ci < size<1>(acc_o_rc); ci += 2) {  // column pairs
-      const int col = get<1>(cO_rc(mi, ci));
-      if (col < p.head_dim) {
-        Element pair[2] = {Element(acc_o_rc(mi, ci)), Element(acc_o_rc(mi, ci + 1))};
-        *reinterpret_cast<uint32_t*>(o + int64_t(row) * p.o_strides.row + col) =
-            *reinterpret_cast<uint32_t*>(pair);
+    for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
+      const int row = wg_row0 + get<0>(cO_rc(mi, 0));
+      if (row >= p.seqlen_q) continue;
+      CUTE_UNROLL
+      for (int ci = 0; ci < size<1>(acc_o_rc); ci += 2) {  // column pairs
+        const int col = get<1>(cO_rc(mi, ci));
+        if (col < p.head_dim) {
+          Element pair[2] = {Element(acc_o_rc(mi, ci)), Element(acc_o_rc(mi, ci + 1))};
+          *reinterpret_cast<uint32_t*>(o + int64_t(row) * p.o_strides.row + col) =
+              *reinterpret_cast<uint32_t*>(pair);
+        }
+      }
+      if (get<1>(cO_rc(mi, 0)) == 0) {
+        p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + row] = lse[mi];
       }
     }
-    if (get<1>(cO_rc(mi, 0)) == 0) {
-      p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + row] = lse[mi];
-    }
-  }
+  }  // items
 #endif
 }
 

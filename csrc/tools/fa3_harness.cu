@@ -6,10 +6,11 @@
 //        -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -gencode arch=compute_90a,code=sm_90a \
 //        [-DFA3_HDIM=128] -Icsrc -I<cutlass>/include csrc/tools/fa3_harness.cu -o fa3_harness
 //   ./fa3_harness batch seqlen_q seqlen_k heads heads_k causal [variant index; default all]
-// Variants: FwdTile's tile with each schedule; with -DFA3_TUNE also the candidate tiles listed
-// at the end of main.
+// Variants: FwdTile's tile with each schedule (on the persistent grid), FwdTile's own on a grid
+// of one CTA per tile; with -DFA3_TUNE also the candidate tiles listed at the end of main.
 #include <cuda_bf16.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -157,6 +158,13 @@ int main(int argc, char** argv) {
   FA3_VARIANT(FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, kSerial)
   FA3_VARIANT(FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, kOverlap)
   FA3_VARIANT(FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, kPingPong)
+  // FwdTile's own, on a grid of one CTA per tile instead of the persistent one.
+  if (only < 0 || only == index) {
+    using Tr = flash::fa3::FwdTraits<__nv_bfloat16, kD, FwdTile<kD>::kBlockN,
+                                     FwdTile<kD>::kStages, false, FwdTile<kD>::kSchedule>;
+    run("own, CTA per tile", [&] { flash::fa3::launch_fwd<Tr>(p, 0, INT64_MAX); });
+  }
+  ++index;
 #ifdef FA3_TUNE
   // Candidates beside FwdTile's tile (fa3_tiles.h states their limits).
   if constexpr (kD <= 128) {
