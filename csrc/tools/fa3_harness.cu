@@ -161,8 +161,7 @@ int main(int argc, char** argv) {
   FA3_VARIANT(FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, kPingPong)
   // FwdTile's own, on a grid of one CTA per tile instead of the persistent one.
   if (only < 0 || only == index) {
-    using Tr = flash::fa3::FwdTraits<__nv_bfloat16, kD, FwdTile<kD>::kBlockN,
-                                     FwdTile<kD>::kStages, false, FwdTile<kD>::kSchedule>;
+    using Tr = Traits<FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, FwdTile<kD>::kSchedule>;
     run("own, CTA per tile", [&] { flash::fa3::launch_fwd<Tr>(p, 0, INT64_MAX); });
   }
   ++index;
