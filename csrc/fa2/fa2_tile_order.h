@@ -53,25 +53,32 @@ struct TileOrder {
   __host__ __device__ int64_t items() const { return int64_t(tiles) * batch_heads; }
 
   __device__ __forceinline__ WorkItem decode(int64_t item) const {
+    if (fast) return decode_fast(int(item));
     WorkItem w;
-    if (fast) {
-      int g, r, h;
-      per_group_div(g, r, int(item));
-      const int head0 = g * int(group);
-      const bool last = head0 + group > batch_heads;
-      const cutlass::FastDivmod d = last ? last_group_div : group_div;  // by value: a reference
-      d(w.tile, h, r);                                                   // puts `this` in local memory
-      heads_div(w.batch, w.head, head0 + h);
-    } else {
-      const int64_t per_group = group * tiles;
-      const int64_t head0 = item / per_group * group;
-      const int64_t heads_here = std::min<int64_t>(batch_heads - head0, group);
-      const int64_t r = item - head0 * tiles;  // within the group
-      const int64_t bh = head0 + r % heads_here;
-      w.tile = int(r / heads_here);
-      w.batch = int(bh / heads);
-      w.head = int(bh % heads);
-    }
+    const int64_t per_group = group * tiles;
+    const int64_t head0 = item / per_group * group;
+    const int64_t heads_here = std::min<int64_t>(batch_heads - head0, group);
+    const int64_t r = item - head0 * tiles;  // within the group
+    const int64_t bh = head0 + r % heads_here;
+    w.tile = int(r / heads_here);
+    w.batch = int(bh / heads);
+    w.head = int(bh % heads);
+    int rem;
+    kv_div(w.head_k, rem, w.head);
+    return w;
+  }
+
+  // decode() where `fast` holds (a caller that checked it on the host: the FA3 forward, whose
+  // producer thread has no registers to spare for the 64-bit divisions).
+  __device__ __forceinline__ WorkItem decode_fast(int item) const {
+    WorkItem w;
+    int g, r, h;
+    per_group_div(g, r, item);
+    const int head0 = g * int(group);
+    const bool last = head0 + group > batch_heads;
+    const cutlass::FastDivmod d = last ? last_group_div : group_div;  // by value: a reference
+    d(w.tile, h, r);                                                   // puts `this` in local memory
+    heads_div(w.batch, w.head, head0 + h);
     int rem;
     kv_div(w.head_k, rem, w.head);
     return w;

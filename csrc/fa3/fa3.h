@@ -6,11 +6,18 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "common/params.h"
 
 namespace flash::fa3 {
 
-// Needs no scratch. Throws std::runtime_error on a launch failure.
+// Scratch in global memory: the counter of the dynamic tile scheduler (fa3_scheduler.h),
+// which the launcher zeroes on the stream. Needed by causal and windowed calls.
+inline int64_t fwd_workspace_bytes() { return sizeof(unsigned); }
+
+// params.workspace must hold fwd_workspace_bytes() bytes. Throws std::runtime_error on a
+// launch failure.
 template <typename T, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
 

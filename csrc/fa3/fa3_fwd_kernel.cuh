@@ -1,6 +1,6 @@
 // FA3 forward (issue 4; plan and measurements in benchmarks/results/fa3_notes.md): a
-// persistent grid of CTAs that stride over the (128-row query tile, head, batch) items, three
-// warpgroups each. Warpgroup 0 produces: one thread issues TMA loads of each tile's Q and of K
+// persistent grid of CTAs that take (128-row query tile, head, batch) items from a scheduler
+// (fa3_scheduler.h), three warpgroups each. Warpgroup 0 produces: one thread issues TMA loads of each tile's Q and of K
 // and V into a ring of kStages buffers guarded by mbarriers (CUTLASS's PipelineTmaAsync). Warpgroups 1 and 2 consume, 64 query rows each (the
 // WGMMA M):
 //   S = Q K[n]^T        SS WGMMA from shared memory
@@ -23,6 +23,7 @@
 #include "fa2/fa2_softmax.h"
 #include "fa2/fa2_tile_order.h"
 #include "fa2/fa2_utils.h"
+#include "fa3/fa3_scheduler.h"
 
 namespace flash::fa3 {
 
@@ -41,8 +42,9 @@ struct FwdTraits {
   static constexpr int kConsumers = 2;              // warpgroups, 64 rows each
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  // setmaxnreg: the producer needs a few registers, the consumers all they can get (the
-  // 64K-register file split 128 x 24 + 256 x 240).
+  // setmaxnreg: the producer needs a few registers, the consumers all they can get. The CTA
+  // holds 384 x 168 registers (the launch bound); 128 x 24 + 256 x 240 is exactly that
+  // (with 32 for the producer the consumers' setmaxnreg waited forever).
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0);
 
@@ -70,8 +72,9 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> v;
     typename Pipeline::SharedStorage pipe_k, pipe_v;
-    alignas(8) uint64_t q_full;   // Q loaded (the producer's transaction)
-    alignas(8) uint64_t q_empty;  // every consumer thread done with Q (the next tile may load)
+    alignas(8) uint64_t q_full;   // item published and its Q loaded (the producer's transaction)
+    alignas(8) uint64_t q_empty;  // every consumer thread done with the item's index and Q
+    int item;                     // the producer's current item, -1: none left
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -104,6 +107,10 @@ CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(Layout const& acc) {
                      make_layout(get<2, 1>(split), get<2>(acc)));
 }
 
+// Keeps the compiler from moving shared-memory accesses across CUTLASS's mbarrier waits and
+// arrives, whose asm has no memory clobber (the hardware ordering is the mbarriers').
+__device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
+
 // One warpgroup's GEMM, issued and committed (not waited for). kZero: C = A B, else C += A B.
 template <bool kZero, class Mma, class A, class B, class C>
 __device__ __forceinline__ void wgmma(Mma& mma, A const& a, B const& b, C& c) {
@@ -122,7 +129,7 @@ __device__ __forceinline__ void wgmma(Mma& mma, A const& a, B const& b, C& c) {
 template <class Tr, class Tma>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Tma tma,
-               const flash::fa2::TileOrder order) {
+               const TileScheduler sched) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Tr::Element;
   using Pipeline = typename Tr::Pipeline;
@@ -130,20 +137,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Tr::SharedStorage*>(smem_raw);
 
-  // Persistent: the CTAs (as many as the GPU holds, launcher) stride over the work items in
-  // FA2's order, heaviest first (tile 0 = the last query tile, which has the most keys under a
-  // causal mask). While the consumers finish a tile (last P V, epilogue), the producer already
-  // loads the next tile's Q (once they release it: q_empty) and K / V: the per-tile fill that
-  // one CTA per tile paid. Producer and consumers decode the same items; both skip a tile that
-  // sees no key without loading or waiting (its rows are written as zeros, lse +inf).
-  const int64_t items = order.items();
+  // Persistent: the CTAs (as many as the GPU holds, launcher) take work items from the
+  // scheduler in FA2's order, heaviest first (tile 0 = the last query tile, which has the most
+  // keys under a causal mask). The producer takes the next item and publishes it in shared
+  // memory with the arrival on q_full (whose release / acquire orders the write before the
+  // consumers' read), together with its Q load; it may do so once both consumers have read the
+  // last item and finished with its Q (q_empty). So while the consumers finish a tile (last
+  // P V, epilogue), the producer already loads the next tile's Q and K / V: the per-tile fill
+  // that one CTA per tile paid. A tile that sees no key loads nothing (its rows are written as
+  // zeros, lse +inf); the item -1 ends the CTA.
+  const flash::fa2::TileOrder& order = sched.order;
   struct Item {
     int m_block, head, batch, head_k, row0;
     flash::fa2::KeyTiles tiles;
   };
   const flash::fa2::Mask mask(p);
-  auto item_at = [&](int64_t i) {
-    const flash::fa2::WorkItem w = order.decode(i);
+  auto item_at = [&](int i) {
+    const flash::fa2::WorkItem w = order.decode_fast(i);  // items fit in int32 (launcher)
     Item it;
     it.m_block = order.tiles - 1 - w.tile;
     it.head = w.head;
@@ -183,10 +193,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       Tensor mV = tma.v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.heads_k, p.batch));
       Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      int q_loads = 0;
-      for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
+      const int items = int(order.items());  // fits (launcher)
+      int i = sched.first();
+      for (int published = 0;; ++published) {
+        if (published > 0) {
+          cutlass::arch::ClusterBarrier::wait(&shared.q_empty, (published - 1) & 1);
+        }
+        compiler_fence();  // the wait (asm without a memory clobber) before the write
+        shared.item = i < items ? i : -1;
+        compiler_fence();
+        if (i >= items) {
+          cutlass::arch::ClusterBarrier::arrive(&shared.q_full);
+          break;
+        }
         const Item it = item_at(i);
-        if (it.tiles.empty()) continue;
+        if (it.tiles.empty()) {
+          cutlass::arch::ClusterBarrier::arrive(&shared.q_full);
+          i = sched.next(i);
+          continue;
+        }
         Tensor gQ = local_tile(mQ(_, _, it.head, it.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                make_coord(it.m_block, 0));
         Tensor gK = local_tile(mK(_, _, it.head_k, it.batch),
@@ -199,11 +224,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                         group_modes<0, 2>(gK));
         auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                         group_modes<0, 2>(gV));
-        if (q_loads > 0) cutlass::arch::ClusterBarrier::wait(&shared.q_empty, (q_loads - 1) & 1);
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.q_full,
                                                                        Tr::kTmaBytesQ);
         copy(tma.q.with(shared.q_full), tQg, tQs);
-        ++q_loads;
+        #pragma unroll 1  // unrolled, it spilled in the producer's 24 registers
         for (int n = it.tiles.end - 1; n >= it.tiles.begin; --n) {
           pipe_k.producer_acquire(state);
           copy(tma.k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n),
@@ -213,6 +237,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                tVs(_, state.index()));
           ++state;
         }
+        // Claim the next item only now, about kStages key tiles before the consumers finish
+        // this one: a CTA that claimed it when starting a long item held it back from CTAs that
+        // freed up meanwhile (hdim 256 16k causal: 650 against 765 TFLOP/s for one CTA per item).
+        i = sched.next(i);
       }
     }
     return;
@@ -237,9 +265,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), rowcol(cO.layout()));
   cutlass::PipelineState<Tr::kStages> state;  // runs on across tiles, as the producer's
-  int q_loads = 0;
 
-  for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
+  for (int taken = 0;; ++taken) {
+    cutlass::arch::ClusterBarrier::wait(&shared.q_full, taken & 1);
+    compiler_fence();
+    const int i = shared.item;
+    if (i < 0) break;
     const Item it = item_at(i);
     const flash::fa2::KeyTiles tiles = it.tiles;
     const int head = it.head, batch = it.batch;
@@ -249,8 +280,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     flash::fa2::Softmax<2> softmax;
     if (!tiles.empty()) {
-      cutlass::arch::ClusterTransactionBarrier::wait(&shared.q_full, q_loads & 1);
-      ++q_loads;
       Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});
       Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
       // Score mod and mask of key tile n, in place in acc_s.
@@ -344,6 +373,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       cutlass::arch::ClusterBarrier::arrive(&shared.q_empty);  // every S GEMM has retired
     } else {
+      cutlass::arch::ClusterBarrier::arrive(&shared.q_empty);  // only the index was read
       for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
     }
 

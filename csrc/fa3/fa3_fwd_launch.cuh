@@ -1,5 +1,5 @@
 // FA3 forward launcher: TMA descriptors over (seqlen, head_dim, heads, batch) views of Q, K,
-// V, the score-mod variant, one CTA per (query tile, head, batch). Included by the generated
+// V, the score-mod variant, the persistent grid and its scheduler. Included by the generated
 // instantiation files and the harness only.
 #pragma once
 
@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <stdexcept>
 
 #include "common/check.h"
 #include "fa3/fa3.h"
@@ -43,26 +44,38 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
   // The order in which CTAs take (query tile, head) items: FA2's (fa2_tile_order.h), heaviest
-  // tiles first, heads grouped by what fills the GPU once. Without a mask every item has the
-  // same work and the grid is persistent: one CTA per SM, each striding over the items, its
-  // producer loading the next tile while its consumers finish one (harness, H100, bf16, full:
-  // +9..+26% at 512-2k, +0.5..+11% at 4k-16k). Under a causal mask or a window the work per
-  // item differs, and a static stride left SMs idle (hdim 256 16k causal: 461 against 764
-  // TFLOP/s with one CTA per item, whose blocks the hardware hands out as SMs free up): one
-  // CTA per item there. max_ctas > 0 overrides the grid (the harness's A/B).
+  // tiles first, heads grouped by what fills the GPU once. The grid is persistent, one CTA per
+  // SM, each producer loading the next tile while its consumers finish one (harness, H100,
+  // bf16, full: +9..+26% at 512-2k, +0.5..+11% at 4k-16k over one CTA per item). Without a
+  // mask every item costs the same and the CTAs stride over them; under a causal mask or a
+  // window they take the next item from a counter in p.workspace as they free up
+  // (fa3_scheduler.h). max_ctas > 0 overrides the grid (the harness's A/B).
   const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   const int heads_per_kv = p.heads / p.heads_k;
   const int64_t kv_bytes = int64_t(p.seqlen_k) * Tr::kHeadDim * 2 * sizeof(Element);
   const int64_t resident = flash::fa2::resident_blocks(kernel, Tr::kThreads, Tr::kSmemBytes,
                                                        p.num_sms);
-  const flash::fa2::TileOrder order = flash::fa2::tile_order(
-      m_blocks, p.batch, p.heads, heads_per_kv, kv_bytes / heads_per_kv, p.l2_bytes, resident);
-  const bool uniform = !p.causal && p.window_left < 0 && p.window_right < 0;
-  const int64_t ctas =
-      std::min(order.items(), max_ctas > 0 ? max_ctas : uniform ? resident : INT64_MAX);
+  TileScheduler sched;
+  sched.order = flash::fa2::tile_order(m_blocks, p.batch, p.heads, heads_per_kv,
+                                       kv_bytes / heads_per_kv, p.l2_bytes, resident);
+  const int64_t ctas = std::min(sched.order.items(), max_ctas > 0 ? max_ctas : resident);
   if (ctas == 0) return;
+  // The scheduler counts items in 32 bits: 2^31 tiles of 128 query rows would be more Q than
+  // a GPU holds.
+  if (!sched.order.fast || sched.order.items() + ctas > INT_MAX) {
+    throw std::runtime_error("flash_attn: fa3 forward: more than 2^31 query tiles");
+  }
+  const bool uniform = !p.causal && p.window_left < 0 && p.window_right < 0;
+  if (!uniform) {
+    if (p.workspace == nullptr || p.workspace_bytes < fwd_workspace_bytes()) {
+      throw std::runtime_error("flash_attn: fa3 forward: a causal or windowed call needs "
+                               "fwd_workspace_bytes() of scratch in params.workspace");
+    }
+    sched.counter = static_cast<unsigned*>(p.workspace);
+    FLASH_CHECK_CUDA(cudaMemsetAsync(sched.counter, 0, sizeof(*sched.counter), stream));
+  }
   kernel<<<unsigned(std::min<int64_t>(ctas, INT_MAX)), Tr::kThreads, Tr::kSmemBytes, stream>>>(
-      p, tma, order);
+      p, tma, sched);
   FLASH_CHECK_LAUNCH();
 }
 
