@@ -49,7 +49,8 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   // bf16, full: +9..+26% at 512-2k, +0.5..+11% at 4k-16k over one CTA per item). Without a
   // mask every item costs the same and the CTAs stride over them; under a causal mask or a
   // window they take the next item from a counter in p.workspace as they free up
-  // (fa3_scheduler.h). max_ctas > 0 overrides the grid (the harness's A/B).
+  // (fa3_scheduler.h; harness, causal: +2..+28% over one CTA per item, most at 512-2k).
+  // max_ctas > 0 overrides the grid (the harness's A/B).
   const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   const int heads_per_kv = p.heads / p.heads_k;
   const int64_t kv_bytes = int64_t(p.seqlen_k) * Tr::kHeadDim * 2 * sizeof(Element);

@@ -6,9 +6,9 @@
 //        -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -gencode arch=compute_90a,code=sm_90a \
 //        [-DFA3_HDIM=128] -Icsrc -I<cutlass>/include csrc/tools/fa3_harness.cu -o fa3_harness
 //   ./fa3_harness batch seqlen_q seqlen_k heads heads_k causal [variant index; default all]
-// Variants: FwdTile's tile with each schedule (on the launcher's grid: persistent when
-// unmasked), FwdTile's own on a grid of one CTA per tile; with -DFA3_TUNE also the candidate
-// tiles listed at the end of main.
+// Variants: FwdTile's tile with each schedule (on the launcher's persistent grid: a static
+// stride when unmasked, the dynamic scheduler when causal), FwdTile's own on a grid of one CTA
+// per tile; with -DFA3_TUNE also the candidate tiles listed at the end of main.
 #include <cuda_bf16.h>
 
 #include <climits>
