@@ -13,11 +13,15 @@
 namespace flash::fa3 {
 
 // Scratch in global memory: the counter of the dynamic tile scheduler (fa3_scheduler.h),
-// which the launcher zeroes on the stream. Needed by causal and windowed calls.
-inline int64_t fwd_workspace_bytes() { return sizeof(unsigned); }
+// which the launcher zeroes on the stream. Causal and windowed calls need it; without a mask
+// every item costs the same and the CTAs take them in a static stride.
+inline int64_t fwd_workspace_bytes(const FwdParams& p) {
+  const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
+  return masked ? int64_t(sizeof(unsigned)) : 0;
+}
 
-// params.workspace must hold fwd_workspace_bytes() bytes. Throws std::runtime_error on a
-// launch failure.
+// params.workspace must hold fwd_workspace_bytes(params) bytes, aligned for an unsigned.
+// Throws std::runtime_error on a launch failure.
 template <typename T, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
 

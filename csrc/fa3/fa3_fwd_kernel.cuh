@@ -1,7 +1,8 @@
 // FA3 forward (issue 4; plan and measurements in benchmarks/results/fa3_notes.md): a
 // persistent grid of CTAs that take (128-row query tile, head, batch) items from a scheduler
-// (fa3_scheduler.h), three warpgroups each. Warpgroup 0 produces: one thread issues TMA loads of each tile's Q and of K
-// and V into a ring of kStages buffers guarded by mbarriers (CUTLASS's PipelineTmaAsync). Warpgroups 1 and 2 consume, 64 query rows each (the
+// (fa3_scheduler.h), three warpgroups each. Warpgroup 0 produces: one thread issues TMA loads
+// of each tile's Q and of K and V into a ring of kStages buffers guarded by mbarriers
+// (CUTLASS's PipelineTmaAsync). Warpgroups 1 and 2 consume, 64 query rows each (the
 // WGMMA M):
 //   S = Q K[n]^T        SS WGMMA from shared memory
 //   score mod, mask, online softmax (FA2's ScoreMod, Mask and Softmax: the same conventions)
@@ -142,9 +143,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // keys under a causal mask). The producer takes the next item and publishes it in shared
   // memory with the arrival on q_full (whose release / acquire orders the write before the
   // consumers' read), together with its Q load; it may do so once both consumers have read the
-  // last item and finished with its Q (q_empty). So while the consumers finish a tile (last
-  // P V, epilogue), the producer already loads the next tile's Q and K / V: the per-tile fill
-  // that one CTA per tile paid. A tile that sees no key loads nothing (its rows are written as
+  // last item and finished with its Q (q_empty, arrived once their last GEMM has retired). So
+  // while the consumers write a tile's O and lse, the producer already loads the next tile's
+  // Q and K / V: the per-tile fill that one CTA per tile paid. (Arriving after the last S
+  // GEMM instead would also overlap the last P V; not tried.) A tile that sees no key loads nothing (its rows are written as
   // zeros, lse +inf); the item -1 ends the CTA.
   const flash::fa2::TileOrder& order = sched.order;
   struct Item {
@@ -371,8 +373,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         warpgroup_wait<0>();
         pipe_v.consumer_release(prev);
       }
-      cutlass::arch::ClusterBarrier::arrive(&shared.q_empty);  // every S GEMM has retired
+      compiler_fence();
+      cutlass::arch::ClusterBarrier::arrive(&shared.q_empty);  // every GEMM has retired
     } else {
+      compiler_fence();  // the read of shared.item before the arrival
       cutlass::arch::ClusterBarrier::arrive(&shared.q_empty);  // only the index was read
       for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
     }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <stdexcept>
 
 #include "common/check.h"
@@ -49,7 +50,7 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   // bf16, full: +9..+26% at 512-2k, +0.5..+11% at 4k-16k over one CTA per item). Without a
   // mask every item costs the same and the CTAs stride over them; under a causal mask or a
   // window they take the next item from a counter in p.workspace as they free up
-  // (fa3_scheduler.h; harness, causal: +2..+28% over one CTA per item, most at 512-2k).
+  // (fa3_scheduler.h; harness, causal: +1..+28% over one CTA per item, most at 512-2k).
   // max_ctas > 0 overrides the grid (the harness's A/B).
   const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   const int heads_per_kv = p.heads / p.heads_k;
@@ -61,22 +62,23 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
                                        kv_bytes / heads_per_kv, p.l2_bytes, resident);
   const int64_t ctas = std::min(sched.order.items(), max_ctas > 0 ? max_ctas : resident);
   if (ctas == 0) return;
-  // The scheduler counts items in 32 bits: 2^31 tiles of 128 query rows would be more Q than
-  // a GPU holds.
-  if (!sched.order.fast || sched.order.items() + ctas > INT_MAX) {
-    throw std::runtime_error("flash_attn: fa3 forward: more than 2^31 query tiles");
+  // The scheduler counts items in 32 bits (up to items + grid): 2^31 tiles of 128 query rows
+  // would be more Q than a GPU holds.
+  if (sched.order.items() + ctas > INT_MAX) {
+    throw std::runtime_error("flash_attn: fa3 forward: more than 2^31 - 1 (query tile, head, "
+                             "batch) items plus CTAs");
   }
-  const bool uniform = !p.causal && p.window_left < 0 && p.window_right < 0;
-  if (!uniform) {
-    if (p.workspace == nullptr || p.workspace_bytes < fwd_workspace_bytes()) {
+  if (fwd_workspace_bytes(p) > 0) {
+    if (p.workspace == nullptr || p.workspace_bytes < fwd_workspace_bytes(p) ||
+        reinterpret_cast<uintptr_t>(p.workspace) % alignof(unsigned) != 0) {
       throw std::runtime_error("flash_attn: fa3 forward: a causal or windowed call needs "
-                               "fwd_workspace_bytes() of scratch in params.workspace");
+                               "fwd_workspace_bytes(params) of aligned scratch in "
+                               "params.workspace");
     }
     sched.counter = static_cast<unsigned*>(p.workspace);
     FLASH_CHECK_CUDA(cudaMemsetAsync(sched.counter, 0, sizeof(*sched.counter), stream));
   }
-  kernel<<<unsigned(std::min<int64_t>(ctas, INT_MAX)), Tr::kThreads, Tr::kSmemBytes, stream>>>(
-      p, tma, sched);
+  kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, sched);
   FLASH_CHECK_LAUNCH();
 }
 

@@ -77,8 +77,8 @@ int main(int argc, char** argv) {
   cudaMalloc(&q, nq * 2); cudaMalloc(&k, nk * 2); cudaMalloc(&v, nk * 2); cudaMalloc(&o, nq * 2);
   cudaMalloc(&ref_o, nq * 4); cudaMalloc(&ref_lse, size_t(b) * h * sq * 4);
   cudaMalloc(&lse, size_t(b) * h * sq * 4);
-  void* workspace;
-  cudaMalloc(&workspace, flash::fa3::fwd_workspace_bytes());
+  void* workspace;  // the scheduler's counter, which causal calls use
+  cudaMalloc(&workspace, sizeof(unsigned));
   cudaMemcpy(q, hq.data(), nq * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(k, hk_.data(), nk * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(v, hv.data(), nk * 2, cudaMemcpyHostToDevice);
@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
   p.causal = causal != 0;
   p.window_left = -1; p.window_right = causal ? 0 : -1;
   p.workspace = workspace;
-  p.workspace_bytes = flash::fa3::fwd_workspace_bytes();
+  p.workspace_bytes = sizeof(unsigned);
 
   int device = 0;
   cudaGetDevice(&device);
