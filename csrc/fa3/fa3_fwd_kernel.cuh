@@ -146,8 +146,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // last item and finished with its Q (q_empty, arrived once their last GEMM has retired). So
   // while the consumers write a tile's O and lse, the producer already loads the next tile's
   // Q and K / V: the per-tile fill that one CTA per tile paid. (Arriving after the last S
-  // GEMM instead would also overlap the last P V; not tried.) A tile that sees no key loads nothing (its rows are written as
-  // zeros, lse +inf); the item -1 ends the CTA.
+  // GEMM instead would also overlap the last P V; not tried.) A tile that sees no key loads
+  // nothing (its rows are written as zeros, lse +inf); the item -1 ends the CTA.
   const flash::fa2::TileOrder& order = sched.order;
   struct Item {
     int m_block, head, batch, head_k, row0;
