@@ -78,9 +78,9 @@ FAMILIES: dict[str, Family] = {
         directions=("fwd", "bwd"),
         features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout"}),
     ),
-    # FlashAttention-3's forward for Hopper: TMA loads by a producer warpgroup, WGMMA in two
-    # consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its gradient
-    # is fa2's backward. Dropout is not implemented: such calls run fa2 (visibly).
+    # FlashAttention-3's forward for Hopper: TMA loads by a producer warpgroup, WGMMA in two or
+    # three consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its
+    # gradient is fa2's backward. Dropout is not implemented: such calls run fa2 (visibly).
     "fa3": Family(
         name="fa3",
         min_arch=90,

@@ -6,7 +6,7 @@ and the fa3-forward + fa2-backward pairing by the rule on dq, dk, dv.
 
 What is covered: every head-dim kernel (64, 96, 128, 192, 256, and the dims they serve), both
 dtypes, full / causal / sliding windows / softcap / ALiBi, MHA / GQA / MQA, seqlen pairs that
-are not multiples of the tiles (128 query rows, 80-192 keys), rows that see no key; fa3 and
+are not multiples of the tiles (128 or 192 query rows, 80-128 keys), rows that see no key; fa3 and
 fa2 agree on the same inputs; grids past 65535 (batch x heads); inputs whose extent-1 dims
 have strides a TMA descriptor would refuse; the automatic choice on sm90 and its fallback for
 dropout.
@@ -33,10 +33,10 @@ BACKEND = "fa3"
 DTYPES = dtype_params()
 CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
 
-# Around the tiles: 128 query rows per CTA, kBlockN 192 (hdim 64), 128 (96, 128), 112 (192),
-# 80 (256).
+# Around the tiles (fa3_tiles.h): 192 query rows per CTA at hdim 64 / 96, 128 above; kBlockN
+# 128 (hdim 64 - 128), 112 (192), 80 (256).
 SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (129, 80), (239, 1), (256, 512),
-           (191, 385), (799, 3), (1023, 1024), (2048, 2048)]
+           (191, 385), (193, 383), (384, 129), (799, 3), (1023, 1024), (2048, 2048)]
 # Head dims besides 64 / 128: padded by the frontend to a multiple of 8 and run by the kernel
 # of the next instantiated dim (32, 40, 59 -> 64; 96; 111 -> 128; 160, 192 -> 192; 224, 256).
 OTHER_HEAD_DIMS = [32, 40, 59, 96, 111, 160, 192, 224, 256]

@@ -1,9 +1,9 @@
 // FA3 forward (issue 4; plan and measurements in benchmarks/results/fa3_notes.md): a
-// persistent grid of CTAs that take (128-row query tile, head, batch) items from a scheduler
-// (fa3_scheduler.h), three warpgroups each. Warpgroup 0 produces: one thread issues TMA loads
-// of each tile's Q and of K and V into a ring of kStages buffers guarded by mbarriers
-// (CUTLASS's PipelineTmaAsync). Warpgroups 1 and 2 consume, 64 query rows each (the
-// WGMMA M):
+// persistent grid of CTAs that take (query tile, head, batch) items from a scheduler
+// (fa3_scheduler.h), three or four warpgroups each. Warpgroup 0 produces: one thread issues TMA
+// loads of each tile's Q and of K and V into a ring of kStages buffers guarded by mbarriers
+// (CUTLASS's PipelineTmaAsync). The other two or three consume, 64 query rows each (the WGMMA
+// M; the query tile is 128 or 192 rows):
 //   S = Q K[n]^T        SS WGMMA from shared memory
 //   score mod, mask, online softmax (FA2's ScoreMod, Mask and Softmax: the same conventions)
 //   O += P V[n]         RS WGMMA, P from registers, V read MN-major from shared memory
@@ -34,19 +34,24 @@ using namespace cute;
 enum class Schedule { kSerial, kOverlap, kPingPong };
 
 template <typename T, int kHeadDim_, int kBlockN_, int kStages_, bool kScoreMod_,
-          Schedule kSchedule_>
+          Schedule kSchedule_, int kConsumers_ = 2>
 struct FwdTraits {
   using Element = typename flash::fa2::CuteType<T>::type;
   static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kStages = kStages_;
   static constexpr bool kScoreMod = kScoreMod_;  // softcap or ALiBi may be on (runtime fields)
   static constexpr Schedule kSchedule = kSchedule_;
-  static constexpr int kConsumers = 2;              // warpgroups, 64 rows each
+  static constexpr int kConsumers = kConsumers_;  // warpgroups, 64 rows each
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  // setmaxnreg: the producer needs a few registers, the consumers all they can get. The CTA
-  // holds 384 x 168 registers (the launch bound); 128 x 24 + 256 x 240 is exactly that
-  // (with 32 for the producer the consumers' setmaxnreg waited forever).
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // setmaxnreg: the producer needs a few registers, the consumers all they can get, and the
+  // split must add up to what the launch bound gives the CTA (64K registers: 168 per thread of
+  // 384, 128 of 512): 128 x 24 + 256 x 240 and 128 x 32 + 384 x 160. With 32 for the producer
+  // of two consumers the consumers' setmaxnreg waited forever.
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static_assert(kConsumers == 2 || kConsumers == 3);
+  static_assert(kConsumers == 2 || kSchedule_ != Schedule::kPingPong,
+                "ping-pong takes turns between two consumers");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 32 == 0);
 
   using ShapeS = Shape<_64, Int<kBlockN>, Int<kHeadDim>>;   // one warpgroup's S = Q K^T

@@ -62,8 +62,8 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
                                        kv_bytes / heads_per_kv, p.l2_bytes, resident);
   const int64_t ctas = std::min(sched.order.items(), max_ctas > 0 ? max_ctas : resident);
   if (ctas == 0) return;
-  // The scheduler counts items in 32 bits (up to items + grid): 2^31 tiles of 128 query rows
-  // would be more Q than a GPU holds.
+  // The scheduler counts items in 32 bits (up to items + grid): 2^31 tiles of 128 or more
+  // query rows would be more Q than a GPU holds.
   if (sched.order.items() + ctas > INT_MAX) {
     throw std::runtime_error("flash_attn: fa3 forward: more than 2^31 - 1 (query tile, head, "
                              "batch) items plus CTAs");
@@ -88,11 +88,11 @@ void run_fwd(const FwdParams& p, cudaStream_t stream) {
   // The score mods (softcap, ALiBi) are a template flag, as in FA2: their code and registers
   // stay out of the plain kernel. Masks and windows are runtime fields.
   if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
-    launch_fwd<FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, true, Tile::kSchedule>>(
-        p, stream);
+    launch_fwd<FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, true, Tile::kSchedule,
+                         Tile::kConsumers>>(p, stream);
   } else {
-    launch_fwd<FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, false, Tile::kSchedule>>(
-        p, stream);
+    launch_fwd<FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, false, Tile::kSchedule,
+                         Tile::kConsumers>>(p, stream);
   }
 }
 

@@ -25,8 +25,9 @@
 #endif
 using Element = cutlass::bfloat16_t;
 constexpr int kD = FA3_HDIM;
-template <int kBlockN, int kStages, flash::fa3::Schedule kSchedule>
-using Traits = flash::fa3::FwdTraits<__nv_bfloat16, kD, kBlockN, kStages, false, kSchedule>;
+template <int kBlockN, int kStages, flash::fa3::Schedule kSchedule, int kConsumers>
+using Traits =
+    flash::fa3::FwdTraits<__nv_bfloat16, kD, kBlockN, kStages, false, kSchedule, kConsumers>;
 
 // One thread per (batch, head, query row): scores, softmax and O in fp32.
 __global__ void reference(const Element* q, const Element* k, const Element* v, float* o,
@@ -149,37 +150,46 @@ int main(int argc, char** argv) {
            causal, err, lse_err, ok ? "OK" : "FAIL", ms / iters,
            flops / (ms / iters * 1e-3) / 1e12);
   };
-  // The variants compared: (kBlockN, kStages, schedule) per head dim; argv[7] picks one.
+  // The variants compared: (kBlockN, kStages, schedule, consumer warpgroups) per head dim;
+  // argv[7] picks one.
   using flash::fa3::Schedule;
   const int only = argc > 7 ? atoi(argv[7]) : -1;
   int index = 0;
-#define FA3_VARIANT(N, S, SCHEDULE)                                                      \
-  if (only < 0 || only == index) {                                                      \
-    run((std::to_string(N) + "x" + std::to_string(S) + " " #SCHEDULE).c_str(),             \
-        [&] { flash::fa3::launch_fwd<Traits<N, S, Schedule::SCHEDULE>>(p, 0); });        \
-  }                                                                                     \
+#define FA3_VARIANT(N, S, SCHEDULE, C)                                                     \
+  if (only < 0 || only == index) {                                                        \
+    run((std::to_string(N) + "x" + std::to_string(S) + " " #SCHEDULE " wg" +               \
+         std::to_string(C)).c_str(),                                                      \
+        [&] { flash::fa3::launch_fwd<Traits<N, S, Schedule::SCHEDULE, C>>(p, 0); });       \
+  }                                                                                       \
   ++index;
-  using flash::fa3::FwdTile;
-  FA3_VARIANT(FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, kSerial)
-  FA3_VARIANT(FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, kOverlap)
-  FA3_VARIANT(FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, kPingPong)
+  using Tile = flash::fa3::FwdTile<kD>;
+  FA3_VARIANT(Tile::kBlockN, Tile::kStages, kSerial, Tile::kConsumers)
+  FA3_VARIANT(Tile::kBlockN, Tile::kStages, kOverlap, Tile::kConsumers)
+  FA3_VARIANT(Tile::kBlockN, Tile::kStages, kPingPong, 2)  // turns between two consumers
   // FwdTile's own, on a grid of one CTA per tile instead of the persistent one.
   if (only < 0 || only == index) {
-    using Tr = Traits<FwdTile<kD>::kBlockN, FwdTile<kD>::kStages, FwdTile<kD>::kSchedule>;
+    using Tr = Traits<Tile::kBlockN, Tile::kStages, Tile::kSchedule, Tile::kConsumers>;
     run("own, CTA per tile", [&] { flash::fa3::launch_fwd<Tr>(p, 0, INT64_MAX); });
   }
   ++index;
 #ifdef FA3_TUNE
-  // Candidates beside FwdTile's tile (fa3_tiles.h states their limits).
-  if constexpr (kD <= 128) {
-    FA3_VARIANT(176, 2, kSerial)
-    FA3_VARIANT(176, 2, kOverlap)
-    FA3_VARIANT(176, 2, kPingPong)
-  }
-  if constexpr (kD == 64) {
-    FA3_VARIANT(128, 2, kSerial)
-    FA3_VARIANT(128, 2, kOverlap)
-  }
+  // Candidates beside FwdTile's tile (fa3_tiles.h states their limits and results).
+  // #if, not if constexpr: main is no template, so if constexpr would compile every list.
+#if FA3_HDIM == 64
+  FA3_VARIANT(192, 2, kSerial, 2)
+  FA3_VARIANT(160, 2, kSerial, 3)
+  FA3_VARIANT(128, 3, kSerial, 3)
+#elif FA3_HDIM == 96
+  FA3_VARIANT(96, 2, kSerial, 3)
+  FA3_VARIANT(112, 2, kSerial, 3)
+  FA3_VARIANT(128, 2, kSerial, 2)
+#elif FA3_HDIM == 128
+  FA3_VARIANT(80, 2, kSerial, 3)
+  FA3_VARIANT(96, 2, kSerial, 3)
+  FA3_VARIANT(112, 2, kSerial, 3)
+  FA3_VARIANT(128, 2, kSerial, 3)
+  FA3_VARIANT(176, 2, kSerial, 2)
+#endif
 #endif
 #undef FA3_VARIANT
   return all_ok ? 0 : 2;
