@@ -6,7 +6,7 @@ and the fa3-forward + fa2-backward pairing by the rule on dq, dk, dv.
 
 What is covered: every head-dim kernel (64, 96, 128, 192, 256, and the dims they serve), both
 dtypes, full / causal / sliding windows / softcap / ALiBi, MHA / GQA / MQA, seqlen pairs that
-are not multiples of the tiles (128 or 192 query rows, 80-128 keys), rows that see no key; fa3 and
+are not multiples of the tiles (128 or 192 query rows, 80-192 keys), rows that see no key; fa3 and
 fa2 agree on the same inputs; grids past 65535 (batch x heads); inputs whose extent-1 dims
 have strides a TMA descriptor would refuse; the automatic choice on sm90 and its fallback for
 dropout.
@@ -33,8 +33,10 @@ BACKEND = "fa3"
 DTYPES = dtype_params()
 CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
 
-# Around the tiles (fa3_tiles.h): 192 query rows per CTA at hdim 64 / 96, 128 above; kBlockN
-# 128 (hdim 64 - 128), 112 (192), 80 (256).
+# Around the tiles (fa3_tiles.h): hdim 64-128 run 192 query rows per CTA, or 128 where 192
+# would pad the query length much more (narrow_pays: here 1, 113, 128, 193, 239, 256, and 1023
+# at hdim 128; the rest wide); 128 rows at hdim 192 / 256. kBlockN 128 (hdim 64-128), 112
+# (192), 80 (256).
 SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (129, 80), (239, 1), (256, 512),
            (191, 385), (193, 383), (384, 129), (799, 3), (1023, 1024), (2048, 2048)]
 # Head dims besides 64 / 128: padded by the frontend to a multiple of 8 and run by the kernel
@@ -260,6 +262,10 @@ def test_forced_fa3_with_dropout_is_an_error():
     pytest.param(2, 33, 300, 4, 2, 256, dict(window_size=(16, 8)), id="window-d256"),
     pytest.param(1, 130, 70, 3, 3, 192, dict(causal=True, window_size=(9, -1), alibi="per-head"),
                  id="local-sq>sk-d192"),
+    # The wide (three-consumer) tiles: the cases above all run the narrow ones.
+    pytest.param(1, 191, 385, 4, 2, 64, dict(causal=True), id="wide-causal-gqa-d64"),
+    pytest.param(1, 384, 129, 2, 2, 96, dict(softcap=5.0), id="wide-softcap-d96"),
+    pytest.param(1, 300, 200, 3, 3, 128, dict(causal=True), id="wide-causal-sq>sk-d128"),
 ])
 def test_sanitize_small_fa3(b, sq, sk, h, hk, d, spec, dtype):
     run_case(b, sq, sk, h, hk, d, dtype, spec)

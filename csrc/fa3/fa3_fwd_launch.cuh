@@ -9,6 +9,7 @@
 #include <climits>
 #include <cstdint>
 #include <stdexcept>
+#include <type_traits>
 
 #include "common/check.h"
 #include "fa3/fa3.h"
@@ -82,17 +83,36 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   FLASH_CHECK_LAUNCH();
 }
 
+template <typename T, int kHeadDim, typename Tile, bool kScoreMod>
+using TraitsOf = FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, kScoreMod, Tile::kSchedule,
+                           Tile::kConsumers>;
+
+// FwdTile's wide or narrow tile (fa3_tiles.h) for this call.
+template <typename T, int kHeadDim, bool kScoreMod>
+void run_fwd_tile(const FwdParams& p, cudaStream_t stream) {
+  using Tile = FwdTile<kHeadDim>;
+  if constexpr (std::is_void_v<typename Tile::Narrow>) {
+    launch_fwd<TraitsOf<T, kHeadDim, Tile, kScoreMod>>(p, stream);
+  } else {
+    using Narrow = TraitsOf<T, kHeadDim, typename Tile::Narrow, kScoreMod>;
+    if constexpr (kScoreMod && !Tile::kWideScoreMod) {
+      launch_fwd<Narrow>(p, stream);
+    } else if (narrow_pays<Tile>(p.seqlen_q)) {
+      launch_fwd<Narrow>(p, stream);
+    } else {
+      launch_fwd<TraitsOf<T, kHeadDim, Tile, kScoreMod>>(p, stream);
+    }
+  }
+}
+
 template <typename T, int kHeadDim>
 void run_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Tile = FwdTile<kHeadDim>;
   // The score mods (softcap, ALiBi) are a template flag, as in FA2: their code and registers
   // stay out of the plain kernel. Masks and windows are runtime fields.
   if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
-    launch_fwd<FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, true, Tile::kSchedule,
-                         Tile::kConsumers>>(p, stream);
+    run_fwd_tile<T, kHeadDim, true>(p, stream);
   } else {
-    launch_fwd<FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, false, Tile::kSchedule,
-                         Tile::kConsumers>>(p, stream);
+    run_fwd_tile<T, kHeadDim, false>(p, stream);
   }
 }
 

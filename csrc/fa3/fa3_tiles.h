@@ -10,21 +10,26 @@
 // CuTe's extended WGMMA shapes (-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, setup.py), without
 // which N = 80 / 112 ran as N = 16 instructions (hdim 256: 480 -> 695 TFLOP/s at 4k with them).
 //
-// Tiles and schedules are the fastest measured (H100, csrc/tools/fa3_harness.cu, bf16, 4k and
-// 16k, full and causal; fa3_notes.md, sessions 10-11):
-// - hdim 64: three consumers (kBlockM 192), kBlockN 128 serial. Over two consumers with
-//   kBlockN 192 (the best two-consumer tile): full +13% at 1k / 4k, +16% at 16k, causal +5% at
-//   4k, -2% at 1k (session 13). With three: 160 serial within +-1% at 4k / 16k but -11% at 1k,
-//   3 stages the same as 2, overlap -26%. 192 spills in 160 registers. Overlap and ping-pong
-//   also lose 13-18% with two consumers, at every width, not understood yet.
-// - hdim 128: kBlockN 128 serial. Overlap / ping-pong are within -4..+1% of it, kBlockN 176
-//   -3..+1% (its overlap and ping-pong spill), 3 stages +-1%.
-// - hdim 192 / 256: overlap, widest two-stage tile. Over serial: hdim 256 +6..+10%, hdim 192
-//   +1..+4%; ping-pong is between the two.
-// - hdim 96: three consumers, kBlockN 128 serial. Over two consumers with 128: full +6% at 1k,
-//   +15% at 4k, +14% at 16k; causal -8% at 1k, +2% at 4k, +13% at 16k (session 13). kBlockN 96
-//   / 112 with three consumers 1-5% below 128; 176 with two below them all.
+// Tiles and schedules are the fastest measured (H100, csrc/tools/fa3_harness.cu, bf16, full and
+// causal; fa3_notes.md, sessions 10-13):
+// - hdim 64 / 96 / 128: three consumers (kBlockM 192), kBlockN 128 serial. Over the best
+//   two-consumer tile (kBlockN 192 at hdim 64, 128 above), at query lengths that fill 192-row
+//   tiles: hdim 64 full +13..+20% (512-16k), causal +5..+9% from 2k; hdim 96 full +14% at 4k /
+//   16k, causal +13% at 16k; hdim 128 full +9% (2k) / +11% (4k) / +4.5% (16k), causal +4% (2k)
+//   / +8.5% (16k) (session 13). Where 192 rows pad the query length much more than 128 do
+//   (128 x 8k: -7%, 256 x 8k: -18..-22%, hdim 128 512 / 1k causal -5 / -9%), the call runs the
+//   two-consumer tile instead (Narrow; narrow_pays below).
+//   hdim 64, three consumers: 160 serial within +-1% at 4k / 16k but -11% at 1k, 3 stages the
+//   same as 2, overlap -26%; 192 spills in 160 registers. Two consumers: overlap and ping-pong
+//   lose 13-18% at every width, not understood yet. hdim 96 / 128, three consumers: kBlockN 80
+//   / 96 / 112 1-8% below 128.
+// - hdim 192 / 256: two consumers (the O accumulator alone is 96 / 128 registers), overlap,
+//   widest two-stage tile. Over serial: hdim 256 +6..+10%, hdim 192 +1..+4%; ping-pong is
+//   between the two.
 #pragma once
+
+#include <cstdint>
+#include <type_traits>
 
 #include "fa3/fa3_fwd_kernel.cuh"
 
@@ -38,13 +43,48 @@ struct Tile {
   static constexpr int kBlockN = kBlockN_, kStages = kStages_;
   static constexpr Schedule kSchedule = kSchedule_;
   static constexpr int kConsumers = kConsumers_;
+  using Narrow = void;  // no second tile
+  static constexpr int kWideGainPct = 0;
+  static constexpr bool kWideScoreMod = true;
 };
 
-//                                      kBlockN kStages              consumers  smem (KB)  O+S+P regs
-template <> struct FwdTile<64>  : Tile<128, 2, Schedule::kSerial, 3> {};   // 88   32+64+32
-template <> struct FwdTile<96>  : Tile<128, 2, Schedule::kSerial, 3> {};   // 132  48+64+32
-template <> struct FwdTile<128> : Tile<128, 2, Schedule::kSerial> {};      // 160  64+64+32
-template <> struct FwdTile<192> : Tile<112, 2, Schedule::kOverlap> {};     // 216  96+56+28
-template <> struct FwdTile<256> : Tile<80, 2, Schedule::kOverlap> {};      // 224 128+40+20
+// A wide tile (three consumers) with a narrow one (two) for the query lengths the wide tile
+// would pad too much. kWideGainPct: the wide tile's speed over the narrow one's on query
+// lengths both fill, in percent (the harness's long-sequence ratio, rounded down).
+// kWideScoreMod: whether softcap / ALiBi calls may run the wide tile (at hdim 128 its score-mod
+// kernel spills in 160 registers, so they run the narrow one).
+template <typename Wide, typename Narrow_, int kWideGainPct_, bool kWideScoreMod_ = true>
+struct WithNarrow : Wide {
+  using Narrow = Narrow_;
+  static constexpr int kWideGainPct = kWideGainPct_;
+  static constexpr bool kWideScoreMod = kWideScoreMod_;
+};
+
+// Wide tile (three consumers), narrow tile (two), the wide tile's gain. Per consumer thread,
+// O + S + P registers: hdim 64 32+64+32, 96 48+64+32, 128 64+64+32 (wide); 192 96+56+28,
+// 256 128+40+20. Shared memory (wide): 88, 132, 176, 216, 224 KB.
+template <> struct FwdTile<64>
+    : WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<192, 2, Schedule::kSerial>, 115> {};
+template <> struct FwdTile<96>
+    : WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>, 110> {};
+template <> struct FwdTile<128>
+    : WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>, 108,
+                 /*kWideScoreMod=*/false> {};
+template <> struct FwdTile<192> : Tile<112, 2, Schedule::kOverlap> {};
+template <> struct FwdTile<256> : Tile<80, 2, Schedule::kOverlap> {};
+
+// Whether a call with seqlen_q query rows is faster on Tile's narrow tile: the rows it pays for
+// (seqlen_q rounded up to the tile's rows) weighed by each tile's speed. hdim 128: 512 and 1k
+// go narrow (576 and 1152 rows wide against 512 and 1024), 2k wide (2112 against 2048 x 1.08).
+template <typename Tile>
+bool narrow_pays(int64_t seqlen_q) {
+  if constexpr (std::is_void_v<typename Tile::Narrow>) {
+    return false;
+  } else {
+    auto padded = [&](int64_t rows) { return (seqlen_q + rows - 1) / rows * rows; };
+    return padded(64 * Tile::kConsumers) * 100 >
+           padded(64 * Tile::Narrow::kConsumers) * Tile::kWideGainPct;
+  }
+}
 
 }  // namespace flash::fa3

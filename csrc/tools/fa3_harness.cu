@@ -173,7 +173,8 @@ int main(int argc, char** argv) {
   }
   ++index;
 #ifdef FA3_TUNE
-  // Candidates beside FwdTile's tile (fa3_tiles.h states their limits and results).
+  // Candidates beside FwdTile's (wide) tile, its narrow tile first where it has one (fa3_tiles.h
+  // states their limits and results).
   // #if, not if constexpr: main is no template, so if constexpr would compile every list.
 #if FA3_HDIM == 64
   FA3_VARIANT(192, 2, kSerial, 2)
@@ -184,10 +185,10 @@ int main(int argc, char** argv) {
   FA3_VARIANT(112, 2, kSerial, 3)
   FA3_VARIANT(128, 2, kSerial, 2)
 #elif FA3_HDIM == 128
+  FA3_VARIANT(128, 2, kSerial, 2)
   FA3_VARIANT(80, 2, kSerial, 3)
   FA3_VARIANT(96, 2, kSerial, 3)
   FA3_VARIANT(112, 2, kSerial, 3)
-  FA3_VARIANT(128, 2, kSerial, 3)
   FA3_VARIANT(176, 2, kSerial, 2)
 #endif
 #endif
