@@ -14,15 +14,15 @@
 // causal; fa3_notes.md, sessions 10-13):
 // - hdim 64 / 96 / 128: three consumers (kBlockM 192), kBlockN 128 serial. Over the best
 //   two-consumer tile (kBlockN 192 at hdim 64, 128 above), at query lengths that fill 192-row
-//   tiles: hdim 64 full +13..+20% (512-16k), causal +5..+9% from 2k; hdim 96 full +14% at 4k /
-//   16k, causal +13% at 16k; hdim 128 full +9% (2k) / +11% (4k) / +4.5% (16k), causal +4% (2k)
-//   / +8.5% (16k) (session 13). Where 192 rows pad the query length much more than 128 do
+//   tiles: hdim 64 full +12..+20% (512-16k), causal +4.5..+10% from 2k; hdim 96 full +14% at
+//   4k / 16k, causal +13% at 16k; hdim 128 full +9% (2k) / +11% (4k) / +4.5% (16k), causal
+//   +4% (2k) / +8.5% (16k) (session 13). Where 192 rows pad the query length much more than 128 do
 //   (128 x 8k: -7%, 256 x 8k: -18..-22%, hdim 128 512 / 1k causal -5 / -9%), the call runs the
 //   two-consumer tile instead (Narrow; narrow_pays below).
-//   hdim 64, three consumers: 160 serial within +-1% at 4k / 16k but -11% at 1k, 3 stages the
+//   hdim 64, three consumers: 160 serial -2..+4% at 4k / 16k but -11% at 1k, 3 stages the
 //   same as 2, overlap -26%; 192 spills in 160 registers. Two consumers: overlap and ping-pong
 //   lose 13-18% at every width, not understood yet. hdim 96 / 128, three consumers: kBlockN 80
-//   / 96 / 112 1-8% below 128.
+//   / 96 / 112 below 128 on most cells (up to -12%).
 // - hdim 192 / 256: two consumers (the O accumulator alone is 96 / 128 registers), overlap,
 //   widest two-stage tile. Over serial: hdim 256 +6..+10%, hdim 192 +1..+4%; ping-pong is
 //   between the two.
