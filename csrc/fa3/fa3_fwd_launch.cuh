@@ -69,8 +69,9 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
     throw std::runtime_error("flash_attn: fa3 forward: more than 2^31 - 1 (query tile, head, "
                              "batch) items plus CTAs");
   }
-  if (fwd_workspace_bytes(p) > 0) {
-    if (p.workspace == nullptr || p.workspace_bytes < fwd_workspace_bytes(p) ||
+  const int64_t workspace_bytes = fwd_workspace_bytes(p);
+  if (workspace_bytes > 0) {
+    if (p.workspace == nullptr || p.workspace_bytes < workspace_bytes ||
         reinterpret_cast<uintptr_t>(p.workspace) % alignof(unsigned) != 0) {
       throw std::runtime_error("flash_attn: fa3 forward: a causal or windowed call needs "
                                "fwd_workspace_bytes(params) of aligned scratch in "
