@@ -65,7 +65,15 @@ struct FwdTraits {
   // MN-major B operand of P V, so no transpose is needed.
   using SwizzleAtom = std::conditional_t<kHeadDim % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
                                          GMMA::Layout_K_SW64_Atom<Element>>;
-  using SmemQ = decltype(tile_to_shape(SwizzleAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // Q is double-buffered where shared memory has room (hdim <= 128), so that the producer loads
+  // the next item's Q while the consumers still run this one's GEMMs: each consumer goes on to
+  // the next item as soon as it has written its O, without waiting for the others or for a load.
+  static constexpr int kSmemLimit = 227 * 1024;  // per block, H100 / H200
+  static constexpr int kQBufs =
+      (2 * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + 1024 <= kSmemLimit
+          ? 2 : 1;
+  using SmemQ = decltype(tile_to_shape(SwizzleAtom{},
+                                       Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQBufs>>{}));
   using SmemKV = decltype(tile_to_shape(SwizzleAtom{},
                                         Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemVt = decltype(composition(
@@ -78,9 +86,10 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> v;
     typename Pipeline::SharedStorage pipe_k, pipe_v;
-    alignas(8) uint64_t q_full;   // item published and its Q loaded (the producer's transaction)
-    alignas(8) uint64_t q_empty;  // every consumer thread done with the item's index and Q
-    int item;                     // the producer's current item, -1: none left
+    // Per Q buffer:
+    alignas(8) uint64_t q_full[kQBufs];   // item published and its Q loaded (producer's tx)
+    alignas(8) uint64_t q_empty[kQBufs];  // every consumer thread done with the index and Q
+    int item[kQBufs];                     // the item in the buffer, -1: none left
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -146,13 +155,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // Persistent: the CTAs (as many as the GPU holds, launcher) take work items from the
   // scheduler in FA2's order, heaviest first (tile 0 = the last query tile, which has the most
   // keys under a causal mask). The producer takes the next item and publishes it in shared
-  // memory with the arrival on q_full (whose release / acquire orders the write before the
-  // consumers' read), together with its Q load; it may do so once both consumers have read the
-  // last item and finished with its Q (q_empty, arrived once their last GEMM has retired). So
-  // while the consumers write a tile's O and lse, the producer already loads the next tile's
-  // Q and K / V: the per-tile fill that one CTA per tile paid. (Arriving after the last S
-  // GEMM instead would also overlap the last P V; not tried.) A tile that sees no key loads
-  // nothing (its rows are written as zeros, lse +inf); the item -1 ends the CTA.
+  // memory with the arrival on its Q buffer's q_full (whose release / acquire orders the write
+  // before the consumers' read), together with its Q load; it may do so once every consumer
+  // has read the item that buffer last held and finished with its Q (q_empty, arrived once
+  // the item's last S GEMM has retired). With two Q buffers the next item's Q and first K / V
+  // are in shared memory before the consumers finish this one, and the consumers do not wait
+  // for each other between items; with one, the next Q loads under the last P V and the
+  // epilogue. A tile that sees no key loads nothing (its rows are written as zeros, lse +inf);
+  // the item -1 ends the CTA.
   const flash::fa2::TileOrder& order = sched.order;
   struct Item {
     int m_block, head, batch, head_k, row0;
@@ -185,8 +195,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   Pipeline pipe_k(shared.pipe_k, pipe_params, Shape<_1, _1, _1>{});
   Pipeline pipe_v(shared.pipe_v, pipe_params, Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {
-    cutlass::arch::ClusterTransactionBarrier::init(&shared.q_full, 1);
-    cutlass::arch::ClusterBarrier::init(&shared.q_empty, 128 * Tr::kConsumers);
+    for (int b = 0; b < Tr::kQBufs; ++b) {
+      cutlass::arch::ClusterTransactionBarrier::init(&shared.q_full[b], 1);
+      cutlass::arch::ClusterBarrier::init(&shared.q_empty[b], 128 * Tr::kConsumers);
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();  // barriers initialised before anyone waits on them
@@ -203,19 +215,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int items = int(order.items());  // fits (launcher)
       int i = sched.first();
       for (int published = 0;; ++published) {
-        if (published > 0) {
-          cutlass::arch::ClusterBarrier::wait(&shared.q_empty, (published - 1) & 1);
+        const int qb = published % Tr::kQBufs;
+        uint64_t* q_full = &shared.q_full[qb];
+        if (published >= Tr::kQBufs) {
+          cutlass::arch::ClusterBarrier::wait(&shared.q_empty[qb],
+                                              (published / Tr::kQBufs - 1) & 1);
         }
         compiler_fence();  // the wait (asm without a memory clobber) before the write
-        shared.item = i < items ? i : -1;
+        shared.item[qb] = i < items ? i : -1;
         compiler_fence();
         if (i >= items) {
-          cutlass::arch::ClusterBarrier::arrive(&shared.q_full);
+          cutlass::arch::ClusterBarrier::arrive(q_full);
           break;
         }
         const Item it = item_at(i);
         if (it.tiles.empty()) {
-          cutlass::arch::ClusterBarrier::arrive(&shared.q_full);
+          cutlass::arch::ClusterBarrier::arrive(q_full);
           i = sched.next(i);
           continue;
         }
@@ -225,15 +240,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
         Tensor gV = local_tile(mV(_, _, it.head_k, it.batch),
                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
-        auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                        group_modes<0, 2>(gQ));
+        auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(sQ(_, _, qb)), group_modes<0, 2>(gQ));
         auto [tKg, tKs] = tma_partition(tma.k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                         group_modes<0, 2>(gK));
         auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                         group_modes<0, 2>(gV));
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.q_full,
-                                                                       Tr::kTmaBytesQ);
-        copy(tma.q.with(shared.q_full), tQg, tQs);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q_full, Tr::kTmaBytesQ);
+        copy(tma.q.with(*q_full), tQg, tQs);
         #pragma unroll 1  // unrolled, it spilled in the producer's 24 registers
         for (int n = it.tiles.end - 1; n >= it.tiles.begin; --n) {
           pipe_k.producer_acquire(state);
@@ -260,8 +274,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   typename Tr::MmaO mma_o;
   auto thr_s = mma_s.get_thread_slice(wg_tid);
   auto thr_o = mma_o.get_thread_slice(wg_tid);
-  Tensor sQ_wg = local_tile(sQ, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
-  Tensor tSrQ = thr_s.partition_fragment_A(sQ_wg);  // descriptors
+  Tensor sQ_wg = local_tile(sQ, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));  // (64, d, buf)
+  Tensor tSrQ_bufs = thr_s.partition_fragment_A(sQ_wg);  // descriptors (MMA, M, K, buf)
   Tensor tSrK = thr_s.partition_fragment_B(sK);     // (MMA, N, K, stage)
   Tensor tOrVt = thr_o.partition_fragment_B(sVt);   // (MMA, N, K, stage)
 
@@ -274,12 +288,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   cutlass::PipelineState<Tr::kStages> state;  // runs on across tiles, as the producer's
 
   for (int taken = 0;; ++taken) {
-    cutlass::arch::ClusterBarrier::wait(&shared.q_full, taken & 1);
+    const int qb = taken % Tr::kQBufs;
+    cutlass::arch::ClusterBarrier::wait(&shared.q_full[qb], (taken / Tr::kQBufs) & 1);
     compiler_fence();
-    const int i = shared.item;
+    const int i = shared.item[qb];
     if (i < 0) break;
+    Tensor tSrQ = tSrQ_bufs(_, _, _, qb);
     const Item it = item_at(i);
     const flash::fa2::KeyTiles tiles = it.tiles;
+    // Q (and the item index) are done with once the item's last S GEMM has retired. With one
+    // Q buffer that is where the consumers release it (keys walk downwards: tile begin's S), so
+    // the next Q loads under the last P V; with two, after the last P V (the next item's Q is
+    // loaded by then anyway, and testing for the last tile in every step spilled at hdim 128).
+    auto release_q = [&] {
+      compiler_fence();
+      cutlass::arch::ClusterBarrier::arrive(&shared.q_empty[qb]);
+    };
+    constexpr bool kEarlyRelease = Tr::kQBufs == 1;
     const int head = it.head, batch = it.batch;
     const int wg_row0 = it.row0 + 64 * cw;
     const flash::fa2::ScoreMod score_mod(p, batch, head);
@@ -300,6 +325,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
           warpgroup_wait<0>();
           pipe_k.consumer_release(state);
+          if (kEarlyRelease && n == tiles.begin) release_q();
           scores(n, masked);
           softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, p.softmax_scale_log2);
           Tensor rP = flash::fa2::convert_fragment<Element>(acc_s);
@@ -352,6 +378,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           pass_turn();
           warpgroup_wait<kFirst ? 0 : 1>();  // S[n]; P[n+1] V[n+1] runs on
           pipe_k.consumer_release(state);
+          if (kEarlyRelease && n == tiles.begin) release_q();
           scores(n, masked);
           float correction[2];
           const bool rescale_o =
@@ -378,18 +405,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         warpgroup_wait<0>();
         pipe_v.consumer_release(prev);
       }
-      compiler_fence();
-      cutlass::arch::ClusterBarrier::arrive(&shared.q_empty);  // every GEMM has retired
+      if (!kEarlyRelease) release_q();
     } else {
-      compiler_fence();  // the read of shared.item before the arrival
-      cutlass::arch::ClusterBarrier::arrive(&shared.q_empty);  // only the index was read
+      release_q();  // only the index was read
       for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
     }
 
     // ---- epilogue: O /= l, straight from registers to global (v0), and the lse -------------
     float lse[2];
-    softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);
-    if (tiles.empty()) clear(acc_o);
+    softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);  // O stays 0 if no key
     Element* o = static_cast<Element*>(p.o) + batch * p.o_strides.batch + head * p.o_strides.head;
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {

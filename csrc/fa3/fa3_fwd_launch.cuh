@@ -35,7 +35,7 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
                        make_stride(row, _1{}, head, batch));
   };
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.q_strides, p.seqlen_q, p.heads),
-                             typename Tr::SmemQ{});
+                             take<0, 2>(typename Tr::SmemQ{}));
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, tensor(p.k, p.k_strides, p.seqlen_k, p.heads_k),
                              take<0, 2>(typename Tr::SmemKV{}));
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, tensor(p.v, p.v_strides, p.seqlen_k, p.heads_k),
