@@ -6,6 +6,8 @@
 //        -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -gencode arch=compute_90a,code=sm_90a \
 //        [-DFA3_HDIM=128] -Icsrc -I<cutlass>/include csrc/tools/fa3_harness.cu -o fa3_harness
 //   ./fa3_harness batch seqlen_q seqlen_k heads heads_k causal [variant index; default all]
+// Environment: FA3_ITERS=n times n launches (default 20); FA3_NO_REF=1 skips the reference
+// (slow at 16k: seconds per call) and reports the result as unchecked.
 // Variants: FwdTile's tile with each schedule (on the launcher's persistent grid: a static
 // stride when unmasked, the dynamic scheduler when causal), FwdTile's own on a grid of one CTA
 // per tile; with -DFA3_TUNE also the candidate tiles listed at the end of main.
@@ -103,8 +105,12 @@ int main(int argc, char** argv) {
   cudaDeviceGetAttribute(&p.num_sms, cudaDevAttrMultiProcessorCount, device);
   cudaDeviceGetAttribute(&p.l2_bytes, cudaDevAttrL2CacheSize, device);
 
-  reference<<<dim3((sq + 127) / 128, h, b), 128>>>(q, k, v, ref_o, ref_lse, b, sq, sk, h, hk,
-                                                   causal, scale);
+  const bool check = getenv("FA3_NO_REF") == nullptr;
+  const int iters = getenv("FA3_ITERS") ? atoi(getenv("FA3_ITERS")) : 20;
+  if (check) {
+    reference<<<dim3((sq + 127) / 128, h, b), 128>>>(q, k, v, ref_o, ref_lse, b, sq, sk, h, hk,
+                                                     causal, scale);
+  }
   std::vector<float> want(nq), want_lse(size_t(b) * h * sq);
   cudaMemcpy(want.data(), ref_o, nq * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(want_lse.data(), ref_lse, want_lse.size() * 4, cudaMemcpyDeviceToHost);
@@ -131,14 +137,13 @@ int main(int argc, char** argv) {
       const double e = fabs(double(got_lse[i]) - want_lse[i]);
       lse_err = e == e ? fmax(lse_err, e) : INFINITY;
     }
-    const bool ok = err < 1e-2 && lse_err < 1e-3;  // bf16 rounding of O is ~2^-9 relative
+    const bool ok = !check || (err < 1e-2 && lse_err < 1e-3);  // bf16 O: ~2^-9 relative
     all_ok = all_ok && ok;
     cudaEvent_t t0, t1;
     cudaEventCreate(&t0);
     cudaEventCreate(&t1);
     for (int i = 0; i < 3; ++i) launch();
     cudaEventRecord(t0);
-    const int iters = 20;
     for (int i = 0; i < iters; ++i) launch();
     cudaEventRecord(t1);
     cudaEventSynchronize(t1);
@@ -147,7 +152,7 @@ int main(int argc, char** argv) {
     const double flops = 4.0 * b * h * double(sq) * sk * kD * (causal ? 0.5 : 1.0);
     printf("fa3 %-22s hdim %d b=%d sq=%d sk=%d h=%d hk=%d causal=%d: max |O err| %.3e, "
            "max |lse err| %.3e -> %s; %.3f ms, %.1f TFLOP/s\n", name, kD, b, sq, sk, h, hk,
-           causal, err, lse_err, ok ? "OK" : "FAIL", ms / iters,
+           causal, err, lse_err, !check ? "unchecked" : ok ? "OK" : "FAIL", ms / iters,
            flops / (ms / iters * 1e-3) / 1e12);
   };
   // The variants compared: (kBlockN, kStages, schedule, consumer warpgroups) per head dim;
