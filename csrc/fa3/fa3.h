@@ -12,13 +12,9 @@
 
 namespace flash::fa3 {
 
-// Scratch in global memory: the counter of the dynamic tile scheduler (fa3_scheduler.h),
-// which the launcher zeroes on the stream. Causal and windowed calls need it; without a mask
-// every item costs the same and the CTAs take them in a static stride.
-inline int64_t fwd_workspace_bytes(const FwdParams& p) {
-  const bool masked = p.causal || p.window_left >= 0 || p.window_right >= 0;
-  return masked ? int64_t(sizeof(unsigned)) : 0;
-}
+// Scratch in global memory: the counter of the tile scheduler (fa3_scheduler.h), which the
+// launcher zeroes on the stream. Every call needs it.
+inline int64_t fwd_workspace_bytes(const FwdParams&) { return int64_t(sizeof(unsigned)); }
 
 // params.workspace must hold fwd_workspace_bytes(params) bytes, aligned for an unsigned.
 // Throws std::runtime_error on a launch failure.

@@ -48,10 +48,9 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   // The order in which CTAs take (query tile, head) items: FA2's (fa2_tile_order.h), heaviest
   // tiles first, heads grouped by what fills the GPU once. The grid is persistent, one CTA per
   // SM, each producer loading the next tile while its consumers finish one (harness, H100,
-  // bf16, full: +9..+26% at 512-2k, +0.5..+11% at 4k-16k over one CTA per item). Without a
-  // mask every item costs the same and the CTAs stride over them; under a causal mask or a
-  // window they take the next item from a counter in p.workspace as they free up
-  // (fa3_scheduler.h; harness, causal: +1..+28% over one CTA per item, most at 512-2k).
+  // bf16, full: +9..+26% at 512-2k, +0.5..+11% at 4k-16k over one CTA per item). The CTAs
+  // take the next item from a counter in p.workspace as they free up (fa3_scheduler.h;
+  // harness, causal: +1..+28% over one CTA per item, most at 512-2k).
   // max_ctas > 0 overrides the grid (the harness's A/B).
   const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   const int heads_per_kv = p.heads / p.heads_k;
@@ -69,17 +68,13 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
     throw std::runtime_error("flash_attn: fa3 forward: more than 2^31 - 1 (query tile, head, "
                              "batch) items plus CTAs");
   }
-  const int64_t workspace_bytes = fwd_workspace_bytes(p);
-  if (workspace_bytes > 0) {
-    if (p.workspace == nullptr || p.workspace_bytes < workspace_bytes ||
-        reinterpret_cast<uintptr_t>(p.workspace) % alignof(unsigned) != 0) {
-      throw std::runtime_error("flash_attn: fa3 forward: a causal or windowed call needs "
-                               "fwd_workspace_bytes(params) of aligned scratch in "
-                               "params.workspace");
-    }
-    sched.counter = static_cast<unsigned*>(p.workspace);
-    FLASH_CHECK_CUDA(cudaMemsetAsync(sched.counter, 0, sizeof(*sched.counter), stream));
+  if (p.workspace == nullptr || p.workspace_bytes < fwd_workspace_bytes(p) ||
+      reinterpret_cast<uintptr_t>(p.workspace) % alignof(unsigned) != 0) {
+    throw std::runtime_error("flash_attn: fa3 forward: params.workspace needs "
+                             "fwd_workspace_bytes(params) of aligned scratch");
   }
+  sched.counter = static_cast<unsigned*>(p.workspace);
+  FLASH_CHECK_CUDA(cudaMemsetAsync(sched.counter, 0, sizeof(*sched.counter), stream));
   kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, sched);
   FLASH_CHECK_LAUNCH();
 }

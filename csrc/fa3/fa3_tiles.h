@@ -4,7 +4,8 @@
 //
 // Limits (H100 / H200: 227 KB of shared memory per block; registers per consumer thread after
 // setmaxnreg: 240 with two consumers, 160 with three):
-//   shared memory = Q (kBlockM x hdim) + kStages x (K + V) (kBlockN x hdim each), 16-bit
+//   shared memory = Q (kBlockM x hdim, twice where it fits: FwdTraits::kQBufs) + kStages x
+//   (K + V) (kBlockN x hdim each), 16-bit
 //   registers per consumer thread ~ O (hdim / 2) + S (kBlockN / 2) + P (kBlockN / 4) + ~30
 // kBlockN is a multiple of 16 (the k-step of P V). Widths that are not a power of two need
 // CuTe's extended WGMMA shapes (-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, setup.py), without
@@ -62,7 +63,8 @@ struct WithNarrow : Wide {
 
 // Wide tile (three consumers), narrow tile (two), the wide tile's gain. Per consumer thread,
 // O + S + P registers: hdim 64 32+64+32, 96 48+64+32, 128 64+64+32 (wide); 192 96+56+28,
-// 256 128+40+20. Shared memory (wide): 88, 132, 176, 216, 224 KB.
+// 256 128+40+20. Shared memory (wide, Q double-buffered up to hdim 128): 112, 168, 224, 216,
+// 224 KB.
 template <> struct FwdTile<64>
     : WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<192, 2, Schedule::kSerial>, 115> {};
 template <> struct FwdTile<96>
