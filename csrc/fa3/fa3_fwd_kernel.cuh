@@ -157,12 +157,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // keys under a causal mask). The producer takes the next item and publishes it in shared
   // memory with the arrival on its Q buffer's q_full (whose release / acquire orders the write
   // before the consumers' read), together with its Q load; it may do so once every consumer
-  // has read the item that buffer last held and finished with its Q (q_empty, arrived once
-  // the item's last S GEMM has retired). With two Q buffers the next item's Q and first K / V
-  // are in shared memory before the consumers finish this one, and the consumers do not wait
-  // for each other between items; with one, the next Q loads under the last P V and the
-  // epilogue. A tile that sees no key loads nothing (its rows are written as zeros, lse +inf);
-  // the item -1 ends the CTA.
+  // has read the item that buffer last held and finished with its Q (q_empty). With two Q
+  // buffers the next item's Q and first K / V are in shared memory before the consumers finish
+  // this one, and the consumers do not wait for each other between items; with one, the next
+  // Q loads under the last P V and the epilogue. A tile that sees no key loads nothing (its
+  // rows are written as zeros, lse +inf); the item -1 ends the CTA.
   const flash::fa2::TileOrder& order = sched.order;
   struct Item {
     int m_block, head, batch, head_k, row0;
