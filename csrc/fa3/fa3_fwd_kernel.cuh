@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const Item it = item_at(i);
         if (it.tiles.empty()) {
           cutlass::arch::ClusterBarrier::arrive(q_full);
-          i = sched.next(i);
+          i = sched.next();
           continue;
         }
         Tensor gQ = local_tile(mQ(_, _, it.head, it.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // Claim the next item only now, about kStages key tiles before the consumers finish
         // this one: a CTA that claimed it when starting a long item held it back from CTAs that
         // freed up meanwhile (hdim 256 16k causal: 650 against 765 TFLOP/s for one CTA per item).
-        i = sched.next(i);
+        i = sched.next();
       }
     }
     return;

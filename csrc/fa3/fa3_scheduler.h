@@ -28,7 +28,7 @@ struct TileScheduler {
   unsigned* counter = nullptr;
 
   __device__ __forceinline__ int first() const { return blockIdx.x; }
-  __device__ __forceinline__ int next(int) const {
+  __device__ __forceinline__ int next() const {
     return int(atomicAdd(counter, 1u) + gridDim.x);
   }
 };

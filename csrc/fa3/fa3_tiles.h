@@ -75,18 +75,16 @@ template <> struct FwdTile<128>
 template <> struct FwdTile<192> : Tile<112, 2, Schedule::kOverlap> {};
 template <> struct FwdTile<256> : Tile<80, 2, Schedule::kOverlap> {};
 
-// Whether a call with seqlen_q query rows is faster on Tile's narrow tile: the rows it pays for
-// (seqlen_q rounded up to the tile's rows) weighed by each tile's speed. hdim 128: 512 and 1k
-// go narrow (576 and 1152 rows wide against 512 and 1024), 2k wide (2112 against 2048 x 1.08).
+// Whether a call with seqlen_q query rows is faster on Tile's narrow tile (Tile has one): the
+// rows it pays for (seqlen_q rounded up to the tile's rows) weighed by each tile's speed. hdim
+// 128: 512 and 1k go narrow (576 and 1152 rows wide against 512 and 1024), 2k wide (2112
+// against 2048 x 1.08).
 template <typename Tile>
 bool narrow_pays(int64_t seqlen_q) {
-  if constexpr (std::is_void_v<typename Tile::Narrow>) {
-    return false;
-  } else {
-    auto padded = [&](int64_t rows) { return (seqlen_q + rows - 1) / rows * rows; };
-    return padded(64 * Tile::kConsumers) * 100 >
-           padded(64 * Tile::Narrow::kConsumers) * Tile::kWideGainPct;
-  }
+  static_assert(!std::is_void_v<typename Tile::Narrow>);
+  auto padded = [&](int64_t rows) { return (seqlen_q + rows - 1) / rows * rows; };
+  return padded(64 * Tile::kConsumers) * 100 >
+         padded(64 * Tile::Narrow::kConsumers) * Tile::kWideGainPct;
 }
 
 }  // namespace flash::fa3
