@@ -34,9 +34,9 @@ DTYPES = dtype_params()
 CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
 
 # Around the tiles (fa3_tiles.h): hdim 64-128 run 192 query rows per CTA, or 128 where 192
-# would pad the query length much more (narrow_pays: here 1, 113, 128, 193, 239, 256, and 1023
-# at hdim 128; the rest wide); 128 rows at hdim 192 / 256. kBlockN 128 (hdim 64-128), 112
-# (192), 80 (256).
+# would leave a lone busy consumer warpgroup (narrow_pays: here 193, 239 and 256; the rest
+# wide, with one or two consumers idle in the last tile: 1, 113, 128, 129, 1023); 128 rows at
+# hdim 192 / 256. kBlockN 128 (hdim 64-128), 112 (192), 80 (256).
 SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (129, 80), (239, 1), (256, 512),
            (191, 385), (193, 383), (384, 129), (799, 3), (1023, 1024), (2048, 2048)]
 # Head dims besides 64 / 128: padded by the frontend to a multiple of 8 and run by the kernel

@@ -179,7 +179,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     it.tiles = mask.key_tiles<kBlockM, kBlockN>(it.row0);
     return it;
   };
-  const int wg = threadIdx.x / 128, wg_tid = threadIdx.x % 128;
+  // The warpgroup index through a shuffle from lane 0, so that ptxas knows it is warp-uniform:
+  // each consumer's key range (and so its pipeline state and WGMMA descriptors) depends on it,
+  // and values ptxas cannot prove uniform take per-thread registers, which the wide kernels
+  // (160 per thread) lack: with threadIdx.x / 128 the per-consumer walk spilled 12 B at hdim 128
+  // (session 14), with the shuffle 4 B (one load per masked key tile).
+  const int wg = cutlass::canonical_warp_group_idx(), wg_tid = threadIdx.x % 128;
 
   Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
   Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
@@ -294,7 +299,40 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (i < 0) break;
     Tensor tSrQ = tSrQ_bufs(_, _, _, qb);
     const Item it = item_at(i);
-    const flash::fa2::KeyTiles tiles = it.tiles;
+    const int wg_row0 = it.row0 + 64 * cw;
+    // The key tiles this consumer's 64 rows see, of the CTA's (which the producer loads for
+    // all kBlockM rows): under a causal mask the CTA's top tiles may lie above these rows'
+    // diagonal, and in the last query tile the rows may all lie past seqlen_q. The consumer
+    // skips those tiles' GEMMs and softmax, leaving the tensor cores to the other consumers
+    // (hdim 128, 192-row tiles: 10% of the GEMMs at causal 2k, 3% at full 2k; harness, H100:
+    // +9% causal 2k, +18% causal 1k, +1% full 2k, fa3_notes.md session 15). It keeps the
+    // CTA's bottom tile (a window's lower edge; masked there) so that nothing but the walk is
+    // live through it. Not under ping-pong, whose turns need both consumers on the same tiles.
+    flash::fa2::KeyTiles tiles = it.tiles;
+    if constexpr (Tr::kSchedule != Schedule::kPingPong) {
+      if (!tiles.empty()) {
+        const flash::fa2::KeyTiles own = mask.key_tiles<64, kBlockN>(wg_row0);
+        const int end = wg_row0 >= p.seqlen_q || own.empty() ? tiles.begin : own.end;
+        // A skipped stage is still waited for before it is released: an arrival on its empty
+        // barrier must follow its fill, or this consumer's next wait on the same full barrier
+        // could see the skipped phase's parity and pass before its own fill.
+        #pragma unroll 1
+        for (int n = tiles.end; n > end; --n) {
+          pipe_k.consumer_wait(state);
+          pipe_k.consumer_release(state);
+          pipe_v.consumer_wait(state);
+          pipe_v.consumer_release(state);
+          ++state;
+        }
+        if (end == tiles.begin) {
+          tiles.end = tiles.begin;
+        } else {
+          tiles.end = end;
+          tiles.unmasked_begin = own.unmasked_begin;
+          tiles.unmasked_end = own.unmasked_end;
+        }
+      }
+    }
     // Q (and the item index) are done with once the item's last S GEMM has retired. With one
     // Q buffer that is where the consumers release it (keys walk downwards: tile begin's S), so
     // the next Q loads under the last P V; with two, after the last P V (the next item's Q is
@@ -305,7 +343,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
     constexpr bool kEarlyRelease = Tr::kQBufs == 1;
     const int head = it.head, batch = it.batch;
-    const int wg_row0 = it.row0 + 64 * cw;
     const flash::fa2::ScoreMod score_mod(p, batch, head);
     clear(acc_o);
 

@@ -18,8 +18,8 @@
 //   tiles: hdim 64 full +12..+20% (512-16k), causal +4.5..+10% from 2k; hdim 96 full +14% at
 //   4k / 16k, causal +13% at 16k; hdim 128 full +9% (2k) / +11% (4k) / +4.5% (16k), causal
 //   +4% (2k) / +8.5% (16k) (session 13). Where 192 rows pad the query length much more than 128 do
-//   (128 x 8k: -7%, 256 x 8k: -18..-22%, hdim 128 512 / 1k causal -5 / -9%), the call runs the
-//   two-consumer tile instead (Narrow; narrow_pays below).
+//   (256 x 8k: -18..-22% before idle consumers skipped their GEMMs, session 15), the call runs
+//   the two-consumer tile instead (Narrow; narrow_pays below).
 //   hdim 64, three consumers: 160 serial -2..+4% at 4k / 16k but -11% at 1k, 3 stages the
 //   same as 2, overlap -26%; 192 spills in 160 registers. Two consumers: overlap and ping-pong
 //   lose 13-18% at every width, not understood yet. hdim 96 / 128, three consumers: kBlockN 80
@@ -75,16 +75,23 @@ template <> struct FwdTile<128>
 template <> struct FwdTile<192> : Tile<112, 2, Schedule::kOverlap> {};
 template <> struct FwdTile<256> : Tile<80, 2, Schedule::kOverlap> {};
 
-// Whether a call with seqlen_q query rows is faster on Tile's narrow tile (Tile has one): the
-// rows it pays for (seqlen_q rounded up to the tile's rows) weighed by each tile's speed. hdim
-// 128: 512 and 1k go narrow (576 and 1152 rows wide against 512 and 1024), 2k wide (2112
-// against 2048 x 1.08).
+// Whether a call with seqlen_q query rows is faster on Tile's narrow tile (Tile has one),
+// counting consumer warpgroups per (batch, head): a consumer whose 64 rows all lie past
+// seqlen_q skips its GEMMs (fa3_fwd_kernel.cuh), so padding costs only where it leaves a tile
+// with a lone busy consumer, which has no other warpgroup to run its softmax under and is
+// counted as two. Weighed by the wide tile's speed. hdim 128: 193-256 and 577-640 rows go
+// narrow (256: 3 + 2 consumers wide against 2 + 2 narrow x 1.08); 512 and 1k wide (harness,
+// H100, session 15: +1.4 / +4.6% full, +1.6 / +8.4% causal), where, before consumers skipped,
+// they went narrow.
 template <typename Tile>
 bool narrow_pays(int64_t seqlen_q) {
   static_assert(!std::is_void_v<typename Tile::Narrow>);
-  auto padded = [&](int64_t rows) { return (seqlen_q + rows - 1) / rows * rows; };
-  return padded(64 * Tile::kConsumers) * 100 >
-         padded(64 * Tile::Narrow::kConsumers) * Tile::kWideGainPct;
+  auto consumers = [&](int64_t per_tile) {
+    const int64_t rows = 64 * per_tile, rest = (seqlen_q % rows + 63) / 64;
+    return seqlen_q / rows * per_tile + (rest == 0 ? 0 : rest < 2 ? 2 : rest);
+  };
+  return consumers(Tile::Narrow::kConsumers) * Tile::kWideGainPct <
+         consumers(Tile::kConsumers) * 100;
 }
 
 }  // namespace flash::fa3
