@@ -324,13 +324,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           pipe_v.consumer_release(state);
           ++state;
         }
-        if (end == tiles.begin) {
-          tiles.end = tiles.begin;
-        } else {
-          tiles.end = end;
-          tiles.unmasked_begin = own.unmasked_begin;
-          tiles.unmasked_end = own.unmasked_end;
-        }
+        tiles.end = end;  // empty if end == begin, and then the unmasked range is not read
+        tiles.unmasked_begin = own.unmasked_begin;
+        tiles.unmasked_end = own.unmasked_end;
       }
     }
     // Q (and the item index) are done with once the item's last S GEMM has retired. With one
