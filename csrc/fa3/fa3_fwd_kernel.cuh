@@ -25,6 +25,7 @@
 #include "fa2/fa2_tile_order.h"
 #include "fa2/fa2_utils.h"
 #include "fa3/fa3_scheduler.h"
+#include "fa3/fa3_trace.h"
 
 namespace flash::fa3 {
 
@@ -141,6 +142,22 @@ __device__ __forceinline__ void wgmma(Mma& mma, A const& a, B const& b, C& c) {
   warpgroup_fence_operand(c);
 }
 
+// A 4 x 4 transpose of 32-bit words across the four lanes of a quad (lane = quad index):
+// w[j] of lane i becomes w[i] of lane j. Two xor shuffles, each swapping half of the words; every
+// lane of the warp must call it.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int quad) {
+  CUTE_UNROLL
+  for (int bit = 1; bit <= 2; bit *= 2) {
+    const bool upper = quad & bit;
+    CUTE_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      if (k & bit) continue;  // the pair (k, k + bit)
+      const uint32_t recv = __shfl_xor_sync(0xffffffff, upper ? w[k] : w[k + bit], bit);
+      (upper ? w[k] : w[k + bit]) = recv;
+    }
+  }
+}
+
 template <class Tr, class Tma>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ Tma tma,
@@ -221,6 +238,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       for (int published = 0;; ++published) {
         const int qb = published % Tr::kQBufs;
         uint64_t* q_full = &shared.q_full[qb];
+        FA3_MARK(published, 15, clock64());
         if (published >= Tr::kQBufs) {
           cutlass::arch::ClusterBarrier::wait(&shared.q_empty[qb],
                                               (published / Tr::kQBufs - 1) & 1);
@@ -252,6 +270,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                         group_modes<0, 2>(gV));
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q_full, Tr::kTmaBytesQ);
         copy(tma.q.with(*q_full), tQg, tQs);
+        FA3_MARK(published, 16, clock64());
         #pragma unroll 1  // unrolled, it spilled in the producer's 24 registers
         for (int n = it.tiles.end - 1; n >= it.tiles.begin; --n) {
           pipe_k.producer_acquire(state);
@@ -268,6 +287,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         i = sched.next();
       }
     }
+#ifdef FA3_TRACE
+    if (wg_tid == 32) {  // when each Q lands (slot 18), whether or not a consumer waits for it
+      for (int k = 0;; ++k) {
+        const int qb = k % Tr::kQBufs;
+        cutlass::arch::ClusterBarrier::wait(&shared.q_full[qb], (k / Tr::kQBufs) & 1);
+        FA3_MARK(k, 18, clock64());
+        compiler_fence();
+        if (shared.item[qb] < 0) break;
+      }
+    }
+#endif
     return;
   }
 
@@ -293,7 +323,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   for (int taken = 0;; ++taken) {
     const int qb = taken % Tr::kQBufs;
+    if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 0, clock64());
     cutlass::arch::ClusterBarrier::wait(&shared.q_full[qb], (taken / Tr::kQBufs) & 1);
+    if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 1, clock64());
     compiler_fence();
     const int i = shared.item[qb];
     if (i < 0) break;
@@ -366,6 +398,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, state.index()), acc_o);
           warpgroup_wait<0>();
           pipe_v.consumer_release(state);
+          if (decltype(first)::value && wg_tid == 0) FA3_MARK(taken, 5 * cw + 2, clock64());
           ++state;
         };
         flash::fa2::walk_key_tiles(tiles, step);
@@ -425,6 +458,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             pipe_v.consumer_release(prev);
           }
           copy(flash::fa2::convert_fragment<Element>(acc_s), rP);
+          if (kFirst && wg_tid == 0) FA3_MARK(taken, 5 * cw + 2, clock64());
           prev = state;
           ++state;
         };
@@ -437,33 +471,49 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         warpgroup_wait<0>();
         pipe_v.consumer_release(prev);
       }
+      if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 3, clock64());
+      if (wg_tid == 0 && cw == 0) FA3_MARK(taken, 17, tiles.end - tiles.begin);
       if (!kEarlyRelease) release_q();
     } else {
       release_q();  // only the index was read
       for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
     }
 
-    // ---- epilogue: O /= l, straight from registers to global (v0), and the lse -------------
+    // ---- epilogue: O /= l, from registers to global in 16-byte stores, and the lse ----------
+    // Each lane of a quad holds two adjacent columns of every 8-column block of its two rows; a
+    // 4 x 4 transpose of those column pairs across the quad gives each lane all 8 columns of
+    // one block in four. So each store is 16 bytes, a quarter of the instructions and L2
+    // requests of 4-byte stores, which took 8000 cycles of an 85000-cycle item at hdim 256 2k
+    // (clock64 trace, H100; fa3_notes.md, session 16). head_dim and out's strides are multiples
+    // of 8 and out is 16-byte aligned (the API checks), so a block is all in or all out.
     float lse[2];
     softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);  // O stays 0 if no key
     Element* o = static_cast<Element*>(p.o) + batch * p.o_strides.batch + head * p.o_strides.head;
+    const int quad = wg_tid % 4;
     CUTE_UNROLL
     for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
       const int row = wg_row0 + get<0>(cO_rc(mi, 0));
-      if (row >= p.seqlen_q) continue;
       CUTE_UNROLL
-      for (int ci = 0; ci < size<1>(acc_o_rc); ci += 2) {  // column pairs
-        const int col = get<1>(cO_rc(mi, ci));
-        if (col < p.head_dim) {
-          Element pair[2] = {Element(acc_o_rc(mi, ci)), Element(acc_o_rc(mi, ci + 1))};
-          *reinterpret_cast<uint32_t*>(o + int64_t(row) * p.o_strides.row + col) =
-              *reinterpret_cast<uint32_t*>(pair);
+      for (int g = 0; g < kHeadDim / 32; ++g) {  // groups of four 8-column blocks
+        uint32_t w[4];  // w[j]: this lane's column pair of block 4g + j
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          Element pair[2] = {Element(acc_o_rc(mi, 8 * g + 2 * j)),
+                             Element(acc_o_rc(mi, 8 * g + 2 * j + 1))};
+          w[j] = *reinterpret_cast<uint32_t*>(pair);
+        }
+        quad_transpose(w, quad);  // now w[j]: lane j's column pair of block 4g + quad
+        const int col = 32 * g + 8 * quad;
+        if (row < p.seqlen_q && col < p.head_dim) {
+          *reinterpret_cast<uint4*>(o + int64_t(row) * p.o_strides.row + col) =
+              make_uint4(w[0], w[1], w[2], w[3]);
         }
       }
-      if (get<1>(cO_rc(mi, 0)) == 0) {
+      if (quad == 0 && row < p.seqlen_q) {
         p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + row] = lse[mi];
       }
     }
+    if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 4, clock64());
   }  // items
 #endif
 }

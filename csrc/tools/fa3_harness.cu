@@ -10,7 +10,8 @@
 // (slow at 16k: seconds per call) and reports the result as unchecked.
 // Variants: FwdTile's tile with each schedule (on the launcher's persistent grid: a static
 // stride when unmasked, the dynamic scheduler when causal), FwdTile's own on a grid of one CTA
-// per tile; with -DFA3_TUNE also the candidate tiles listed at the end of main.
+// per tile; with -DFA3_TUNE also the candidate tiles listed at the end of main. With
+// -DFA3_TRACE each variant also reports where a consumer's item goes (fa3_trace.h's marks).
 #include <cuda_bf16.h>
 
 #include <climits>
@@ -115,6 +116,65 @@ int main(int argc, char** argv) {
   cudaMemcpy(want.data(), ref_o, nq * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(want_lse.data(), ref_lse, want_lse.size() * 4, cudaMemcpyDeviceToHost);
   bool all_ok = true;
+#ifdef FA3_TRACE
+  // One more launch with clock64 marks (fa3_trace.h): where a consumer's item goes, averaged
+  // over every CTA's items but its first and last, in SM cycles. An interval is averaged over
+  // the records that have both of its marks; the count beside it says how many did.
+  long long* trace;
+  using flash::fa3::kTraceItems, flash::fa3::kTraceSlots;
+  const size_t trace_n = size_t(p.num_sms) * kTraceItems * kTraceSlots;
+  cudaMalloc(&trace, trace_n * 8);
+  cudaMemcpyToSymbol(flash::fa3::fa3_trace, &trace, sizeof(trace));
+  auto trace_report = [&](auto launch) {
+    cudaMemset(trace, 0, trace_n * 8);
+    launch();
+    cudaDeviceSynchronize();
+    std::vector<long long> t(trace_n);
+    cudaMemcpy(t.data(), trace, trace_n * 8, cudaMemcpyDeviceToHost);
+    struct Mean {
+      double sum = 0;
+      long n = 0;
+      void add(long long from, long long to) {
+        if (from != 0 && to != 0) sum += double(to - from), ++n;
+      }
+      void print(const char* name) const {
+        printf("  %-46s %8.0f  (%ld records)\n", name, n ? sum / n : 0.0, n);
+      }
+    };
+    Mean item, q_wait, first, rest, epilogue, gap, q_load, q_after_loop, tiles;
+    for (int c = 0; c < p.num_sms; ++c) {
+      auto at = [&](int k, int s) { return t[(size_t(c) * kTraceItems + k) * kTraceSlots + s]; };
+      int items = 0;
+      while (items < kTraceItems && at(items, 0) != 0) ++items;
+      for (int k = 1; k + 1 < items; ++k) {
+        if (at(k, 17) < 2) continue;  // items of one key tile have no rest
+        for (int cw = 0; cw < 3; ++cw) {
+          auto mark = [&](int k_, int i) { return at(k_, 5 * cw + i); };
+          if (mark(k, 0) == 0) continue;  // no such consumer
+          item.add(mark(k, 0), mark(k + 1, 0));
+          q_wait.add(mark(k, 0), mark(k, 1));
+          first.add(mark(k, 1), mark(k, 2));
+          rest.add(mark(k, 2), mark(k, 3));
+          epilogue.add(mark(k, 3), mark(k, 4));
+          gap.add(mark(k, 4), mark(k + 1, 0));
+          q_load.add(at(k, 16), at(k, 18));
+          q_after_loop.add(mark(k - 1, 3), at(k, 18));
+          tiles.sum += double(at(k, 17)), ++tiles.n;
+        }
+      }
+    }
+    printf("trace, SM cycles per consumer item (%.1f key tiles):\n",
+           tiles.n ? tiles.sum / tiles.n : 0.);
+    item.print("item (one wait for Q to the next)");
+    q_wait.print("waiting for Q");
+    first.print("first key tile");
+    rest.print("the other key tiles");
+    epilogue.print("epilogue (stores issued)");
+    gap.print("to the next wait for Q");
+    q_load.print("Q load: issued to landed (producer)");
+    q_after_loop.print("Q landed after the previous item's last P V");
+  };
+#endif
   auto run = [&](const char* name, auto launch) {
     cudaMemset(o, 0xff, nq * 2);  // poison: NaN in bf16
     cudaMemset(lse, 0xff, want_lse.size() * 4);
@@ -150,6 +210,9 @@ int main(int argc, char** argv) {
     float ms = 0;
     cudaEventElapsedTime(&ms, t0, t1);
     const double flops = 4.0 * b * h * double(sq) * sk * kD * (causal ? 0.5 : 1.0);
+#ifdef FA3_TRACE
+    trace_report(launch);
+#endif
     printf("fa3 %-22s hdim %d b=%d sq=%d sk=%d h=%d hk=%d causal=%d: max |O err| %.3e, "
            "max |lse err| %.3e -> %s; %.3f ms, %.1f TFLOP/s\n", name, kD, b, sq, sk, h, hk,
            causal, err, lse_err, !check ? "unchecked" : ok ? "OK" : "FAIL", ms / iters,

@@ -1,0 +1,32 @@
+// Timing marks inside the FA3 forward, for csrc/tools/fa3_harness.cu built with -DFA3_TRACE:
+// FA3_MARK(k, slot, value) stores value (clock64(): SM cycles, comparable within a CTA) as
+// slot `slot` of the CTA's k-th item in a global buffer the harness allocates and reads back
+// (its trace_report: where an item's time goes: waits for Q, first step, key tiles, epilogue).
+// Without FA3_TRACE the marks compile to nothing.
+//
+// Slots: consumer warpgroup c (0-2) 5c + {0: before its wait for the item's Q, 1: after it,
+// 2: after its first key tile, 3: after its last P V, 4: after its epilogue's stores are
+// issued}; producer 15: before its wait for a free Q buffer, 16: after issuing the Q load;
+// 17: the item's key tiles (consumer 0); 18: when its Q landed (a producer thread that waits).
+#pragma once
+
+#ifdef FA3_TRACE
+#include <cstdint>
+
+namespace flash::fa3 {
+__device__ long long* fa3_trace;  // kTraceItems x kTraceSlots per CTA
+constexpr int kTraceSlots = 20, kTraceItems = 64;
+}  // namespace flash::fa3
+
+#define FA3_MARK(k, slot, value)                                                             \
+  do {                                                                                      \
+    if ((k) < ::flash::fa3::kTraceItems) {                                                  \
+      ::flash::fa3::fa3_trace[(int64_t(blockIdx.x) * ::flash::fa3::kTraceItems + (k)) *     \
+                                  ::flash::fa3::kTraceSlots + (slot)] = (value);            \
+    }                                                                                       \
+  } while (0)
+#else
+#define FA3_MARK(k, slot, value) \
+  do {                           \
+  } while (0)
+#endif
