@@ -43,8 +43,11 @@ TIMING = ("CUDA events around each repetition; median over reps; reps chosen so 
           "is about target_ms per cell (clamped to [min_reps, max_reps]) unless --reps is given; "
           "the reps of a cell come in `rounds` rounds that alternate between the backends "
           "(backend A, B, ..., then A, B, ... again), so a drift of the GPU's clocks during a "
-          "shape's cells falls on every backend alike; warm-up calls at the start of each round; repetitions rotate over n_input_sets sets of fresh torch.randn "
-          "inputs (enough sets to exceed 2x L2 where memory allows, so inputs are not "
+          "shape's cells falls on every backend alike; warm-up calls at the start of each "
+          "round; before a round's timed reps, a sleep kernel (1.5x the host's time to enqueue "
+          "them, from the last warm-up call) keeps the GPU's queue ahead of the host, so that "
+          "the events time the GPU's work, not host latency; repetitions rotate over "
+          "n_input_sets sets of fresh torch.randn inputs (enough sets to exceed 2x L2 where memory allows, so inputs are not "
           "L2-resident). fwd: the forward with inputs requiring grad (a training forward). bwd: "
           "forward run untimed, then torch.autograd.grad(out, (q, k, v), dout) timed (no .grad "
           "accumulation). fwd_bwd: forward + the same autograd.grad, timed together.")
@@ -108,13 +111,21 @@ def time_cell(fn, sets: list[Inputs], causal: bool, mode: str, args, device) -> 
     # last warm-up call's time sizes the number of repetitions.
     probe = (Event(enable_timing=True), Event(enable_timing=True))
     for i in range(args.warmup):
+        host_start = time.perf_counter()
         step(i, *probe)
+        host_ms = (time.perf_counter() - host_start) * 1e3
     C.synchronize(device)
     rounds = max(1, args.rounds)
     reps = (math.ceil(args.reps / rounds) if args.reps else
             min(math.ceil(args.max_reps / rounds), max(math.ceil(args.min_reps / rounds), math.ceil(
                 args.target_ms / rounds / max(probe[0].elapsed_time(probe[1]), 1e-3)))))
     events = [(Event(enable_timing=True), Event(enable_timing=True)) for _ in range(reps)]
+    # A call can take the host longer to enqueue than the GPU to run (512-token cells: Python,
+    # argument checks, allocations against ~0.1 ms kernels); the GPU would then idle between
+    # reps, and each start event, recorded before its call, would time the host as well. Work
+    # queued first keeps the GPU behind the host for the whole round, so that the events time
+    # the GPU's work only.
+    C.queue_ahead(device, 1.5 * reps * host_ms)
     for i, (start, end) in enumerate(events):
         step(args.warmup + i, start, end)
     C.synchronize(device)
