@@ -368,6 +368,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     auto release_q = [&] {
       compiler_fence();
       cutlass::arch::ClusterBarrier::arrive(&shared.q_empty[qb]);
+      if (wg_tid == 0) FA3_MARK(taken, 19 + cw, clock64());
     };
     constexpr bool kEarlyRelease = Tr::kQBufs == 1;
     const int head = it.head, batch = it.batch;

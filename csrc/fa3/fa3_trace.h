@@ -7,7 +7,8 @@
 // Slots: consumer warpgroup c (0-2) 5c + {0: before its wait for the item's Q, 1: after it,
 // 2: after its first key tile, 3: after its last P V, 4: after its epilogue's stores are
 // issued}; producer 15: before its wait for a free Q buffer, 16: after issuing the Q load;
-// 17: the item's key tiles (consumer 0); 18: when its Q landed (a producer thread that waits).
+// 17: the item's key tiles (consumer 0); 18: when its Q landed (a producer thread that waits);
+// 19 + c: when consumer c released the item's Q buffer.
 #pragma once
 
 #ifdef FA3_TRACE
@@ -15,7 +16,7 @@
 
 namespace flash::fa3 {
 __device__ long long* fa3_trace;  // kTraceItems x kTraceSlots per CTA
-constexpr int kTraceSlots = 20, kTraceItems = 64;
+constexpr int kTraceSlots = 24, kTraceItems = 64;
 }  // namespace flash::fa3
 
 #define FA3_MARK(k, slot, value)                                                             \

@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
         printf("  %-46s %8.0f  (%ld records)\n", name, n ? sum / n : 0.0, n);
       }
     };
-    Mean item, q_wait, first, rest, epilogue, gap, q_load, q_after_loop, tiles;
+    Mean item, q_wait, first, rest, epilogue, gap, q_load, q_after_loop, released, issued, tiles;
     for (int c = 0; c < p.num_sms; ++c) {
       auto at = [&](int k, int s) { return t[(size_t(c) * kTraceItems + k) * kTraceSlots + s]; };
       int items = 0;
@@ -159,6 +159,8 @@ int main(int argc, char** argv) {
           gap.add(mark(k, 4), mark(k + 1, 0));
           q_load.add(at(k, 16), at(k, 18));
           q_after_loop.add(mark(k - 1, 3), at(k, 18));
+          released.add(at(k, 19 + cw), mark(k, 3));
+          issued.add(at(k, 19 + cw), at(k + 1, 16));
           tiles.sum += double(at(k, 17)), ++tiles.n;
         }
       }
@@ -173,6 +175,8 @@ int main(int argc, char** argv) {
     gap.print("to the next wait for Q");
     q_load.print("Q load: issued to landed (producer)");
     q_after_loop.print("Q landed after the previous item's last P V");
+    released.print("Q released before the item's last P V ends");
+    issued.print("next Q issued after this consumer released");
   };
 #endif
   auto run = [&](const char* name, auto launch) {
