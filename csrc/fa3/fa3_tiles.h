@@ -20,8 +20,11 @@
 //   +4% (2k) / +8.5% (16k) (session 13). Where 192 rows pad the query length much more than 128 do
 //   (256 x 8k: -18..-22% before idle consumers skipped their GEMMs, session 15), the call runs
 //   the two-consumer tile instead (Narrow; narrow_pays below).
-//   hdim 64, three consumers: 160 serial -2..+4% at 4k / 16k but -11% at 1k, 3 stages the
-//   same as 2, overlap -26%; 192 spills in 160 registers. Two consumers: overlap and ping-pong
+//   hdim 64, three consumers: 160 serial -2..+4% at 4k / 16k but -11% at 1k, overlap -26%;
+//   192 spills in 160 registers. Three K / V stages, the only wide tile with room for them
+//   (144 KB): the same as two from 2k, +5% / +2% at causal 512 / 1k, where items have 3-5 key
+//   tiles and the first costs ~1000 cycles more than the others (trace; that it waits for a
+//   free stage is a guess, session 16). Two consumers: overlap and ping-pong
 //   lose 13-18% at every width, not understood yet. hdim 96 / 128, three consumers: kBlockN 80
 //   / 96 / 112 below 128 on most cells (up to -12%).
 // - hdim 192 / 256: two consumers (the O accumulator alone is 96 / 128 registers), overlap,
@@ -63,10 +66,10 @@ struct WithNarrow : Wide {
 
 // Wide tile (three consumers), narrow tile (two), the wide tile's gain. Per consumer thread,
 // O + S + P registers: hdim 64 32+64+32, 96 48+64+32, 128 64+64+32 (wide); 192 96+56+28,
-// 256 128+40+20. Shared memory (wide, Q double-buffered up to hdim 128): 112, 168, 224, 216,
-// 224 KB.
+// 256 128+40+20. Shared memory (wide, Q double-buffered up to hdim 128): 144 (three stages),
+// 168, 224, 216, 224 KB.
 template <> struct FwdTile<64>
-    : WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<192, 2, Schedule::kSerial>, 115> {};
+    : WithNarrow<Tile<128, 3, Schedule::kSerial, 3>, Tile<192, 2, Schedule::kSerial>, 115> {};
 template <> struct FwdTile<96>
     : WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>, 110> {};
 template <> struct FwdTile<128>

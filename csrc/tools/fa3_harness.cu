@@ -251,7 +251,7 @@ int main(int argc, char** argv) {
 #if FA3_HDIM == 64
   FA3_VARIANT(192, 2, kSerial, 2)
   FA3_VARIANT(160, 2, kSerial, 3)
-  FA3_VARIANT(128, 3, kSerial, 3)
+  FA3_VARIANT(128, 2, kSerial, 3)
 #elif FA3_HDIM == 96
   FA3_VARIANT(96, 2, kSerial, 3)
   FA3_VARIANT(112, 2, kSerial, 3)
