@@ -43,14 +43,15 @@ TIMING = ("CUDA events around each repetition; median over reps; reps chosen so 
           "is about target_ms per cell (clamped to [min_reps, max_reps]) unless --reps is given; "
           "the reps of a cell come in `rounds` rounds that alternate between the backends "
           "(backend A, B, ..., then A, B, ... again), so a drift of the GPU's clocks during a "
-          "shape's cells falls on every backend alike; warm-up calls at the start of each "
-          "round; before a round's timed reps, a sleep kernel (1.5x the host's time to enqueue "
-          "them, from the last warm-up call) keeps the GPU's queue ahead of the host, so that "
-          "the events time the GPU's work, not host latency; repetitions rotate over "
-          "n_input_sets sets of fresh torch.randn inputs (enough sets to exceed 2x L2 where memory allows, so inputs are not "
-          "L2-resident). fwd: the forward with inputs requiring grad (a training forward). bwd: "
-          "forward run untimed, then torch.autograd.grad(out, (q, k, v), dout) timed (no .grad "
-          "accumulation). fwd_bwd: forward + the same autograd.grad, timed together.")
+          "shape's cells falls on every backend alike; warm-up calls at the start of each round; "
+          "before a round's timed reps, a sleep kernel (1.5x the host's time to enqueue them, "
+          "from the last warm-up call) keeps the GPU's queue ahead of the host, so that the "
+          "events time the GPU's work, not host latency; repetitions rotate over n_input_sets "
+          "sets of fresh torch.randn inputs (enough sets to exceed 2x L2 where memory allows, so "
+          "inputs are not L2-resident). fwd: the forward with inputs requiring grad (a training "
+          "forward). bwd: forward run untimed, then torch.autograd.grad(out, (q, k, v), dout) "
+          "timed (no .grad accumulation). fwd_bwd: forward + the same autograd.grad, timed "
+          "together.")
 FLOPS = ("fwd = 4*batch*nheads*seqlen_q*seqlen_k*hdim, halved when causal; bwd = 2.5x fwd; "
          "fwd_bwd = 3.5x fwd; TFLOPS = FLOPs / median time")
 
