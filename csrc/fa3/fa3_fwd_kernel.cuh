@@ -127,12 +127,13 @@ CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(Layout const& acc) {
 // arrives, whose asm has no memory clobber (the hardware ordering is the mbarriers').
 __device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
 
-// One warpgroup's GEMM, issued and committed (not waited for). kZero: C = A B, else C += A B.
-template <bool kZero, class Mma, class A, class B, class C>
-__device__ __forceinline__ void wgmma(Mma& mma, A const& a, B const& b, C& c) {
+// One warpgroup's GEMM, issued and committed (not waited for). zero: C = A B (C's registers
+// are not read), else C += A B.
+template <class Mma, class A, class B, class C>
+__device__ __forceinline__ void wgmma(Mma& mma, A const& a, B const& b, C& c, bool zero) {
   warpgroup_fence_operand(c);
   warpgroup_arrive();
-  mma.accumulate_ = kZero ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  mma.accumulate_ = zero ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
   CUTE_UNROLL
   for (int k = 0; k < size<2>(a); ++k) {
     cute::gemm(mma, a(_, _, k), b(_, _, k), c);
@@ -140,6 +141,18 @@ __device__ __forceinline__ void wgmma(Mma& mma, A const& a, B const& b, C& c) {
   }
   warpgroup_commit_batch();
   warpgroup_fence_operand(c);
+}
+
+// Ends the life of a float fragment's values for the compiler: an empty asm that writes each
+// register without reading it. The first P V of an item overwrites O's accumulator (ScaleOut
+// Zero), but its asm reads the registers all the same, which would keep the item before's O
+// alive into this item's first key tile, next to the O being stored (with the stores deferred
+// at hdim 256, 640 B of spills without forget, 300 B with); forgetting O before that P V frees
+// the registers in between.
+template <class Fragment>
+__device__ __forceinline__ void forget(Fragment& f) {
+  CUTE_UNROLL
+  for (int k = 0; k < size(f); ++k) asm volatile("" : "=f"(f(k)));
 }
 
 // A 4 x 4 transpose of 32-bit words across the four lanes of a quad (lane = quad index):
@@ -238,24 +251,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       for (int published = 0;; ++published) {
         const int qb = published % Tr::kQBufs;
         uint64_t* q_full = &shared.q_full[qb];
-        FA3_MARK(published, 15, clock64());
-        if (published >= Tr::kQBufs) {
-          cutlass::arch::ClusterBarrier::wait(&shared.q_empty[qb],
-                                              (published / Tr::kQBufs - 1) & 1);
-        }
-        compiler_fence();  // the wait (asm without a memory clobber) before the write
-        shared.item[qb] = i < items ? i : -1;
-        compiler_fence();
-        if (i >= items) {
-          cutlass::arch::ClusterBarrier::arrive(q_full);
-          break;
-        }
-        const Item it = item_at(i);
-        if (it.tiles.empty()) {
-          cutlass::arch::ClusterBarrier::arrive(q_full);
-          i = sched.next();
-          continue;
-        }
+        // Everything about the claimed item that does not touch the Q buffer comes before the
+        // wait for it: with one Q buffer (hdim 256) the consumers wait for this load, and
+        // decoding the item and partitioning its tensors took this thread 1300 cycles after
+        // the wait (trace, fa3_notes.md, session 16).
+        const bool done = i >= items;
+        Item it = item_at(done ? 0 : i);
+        // The empty asm keeps ptxas from sinking the decode below the wait, which it did (to
+        // shorten the values' lives). Harness, H100, hdim 256: +0.3% 2k, +1% 1k, +2.6% causal
+        // 512 (fa3_notes.md, session 17).
+        auto pin = [](int& x) { asm volatile("" : "+r"(x)); };
+        pin(it.m_block), pin(it.head), pin(it.batch), pin(it.head_k);
+        pin(it.tiles.begin), pin(it.tiles.end);
         Tensor gQ = local_tile(mQ(_, _, it.head, it.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                                make_coord(it.m_block, 0));
         Tensor gK = local_tile(mK(_, _, it.head_k, it.batch),
@@ -268,6 +275,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                         group_modes<0, 2>(gK));
         auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                         group_modes<0, 2>(gV));
+        FA3_MARK(published, 15, clock64());
+        if (published >= Tr::kQBufs) {
+          cutlass::arch::ClusterBarrier::wait(&shared.q_empty[qb],
+                                              (published / Tr::kQBufs - 1) & 1);
+        }
+        compiler_fence();  // the wait (asm without a memory clobber) before the write
+        shared.item[qb] = done ? -1 : i;
+        compiler_fence();
+        if (done) {
+          cutlass::arch::ClusterBarrier::arrive(q_full);
+          break;
+        }
+        if (it.tiles.empty()) {
+          cutlass::arch::ClusterBarrier::arrive(q_full);
+          i = sched.next();
+          continue;
+        }
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q_full, Tr::kTmaBytesQ);
         copy(tma.q.with(*q_full), tQg, tQs);
         FA3_MARK(published, 16, clock64());
@@ -315,11 +339,42 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   Tensor acc_o = partition_fragment_C(mma_o, Shape<_64, Int<kHeadDim>>{});
   Tensor acc_o_rc = make_tensor(acc_o.data(), rowcol(acc_o.layout()));
+  static_assert(decltype(size<0>(acc_o_rc))::value == 2, "two rows per thread");
   Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
   Tensor cS_rc = make_tensor(cS.data(), rowcol(cS.layout()));
   Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
   Tensor cO_rc = make_tensor(cO.data(), rowcol(cO.layout()));
   cutlass::PipelineState<Tr::kStages> state;  // runs on across tiles, as the producer's
+
+  // The epilogue comes in two halves. After an item's last P V its O is finalized, converted
+  // to 16 bits and transposed within quads (each lane then holds 8 adjacent columns of a block)
+  // into o_pack; store_o writes o_pack and the lse. With two Q buffers the stores wait
+  // (pending) until the next item's first S GEMM is on the tensor cores (its Q has landed by
+  // then): harness, H100, +2.5% hdim 128 causal 512, +0.8% hdim 64 causal 512 / 1k, the rest
+  // within 0.5%. With one (hdim 256) they follow at once: under the S GEMM they spilled and
+  // made the first key tile 3000 cycles longer, -1.5% at 2k (fa3_notes.md, session 17). O's
+  // accumulator is not live across items: an item's first P V writes it without reading it.
+  constexpr bool kDeferStores = Tr::kQBufs == 2;
+  const int quad = wg_tid % 4;
+  uint32_t o_pack[2][kHeadDim / 32][4];
+  Element* o_dst[2];   // this lane's first column in each of its rows; nullptr: past seqlen_q
+  float* lse_dst[2];   // nullptr: past seqlen_q, or not quad 0 (which writes the row's lse)
+  float lse_val[2];
+  bool pending = false;
+  auto store_o = [&] {
+    CUTE_UNROLL
+    for (int mi = 0; mi < 2; ++mi) {
+      CUTE_UNROLL
+      for (int g = 0; g < kHeadDim / 32; ++g) {
+        if (o_dst[mi] != nullptr && 32 * g + 8 * quad < p.head_dim) {
+          *reinterpret_cast<uint4*>(o_dst[mi] + 32 * g) =
+              make_uint4(o_pack[mi][g][0], o_pack[mi][g][1], o_pack[mi][g][2], o_pack[mi][g][3]);
+        }
+      }
+      if (lse_dst[mi] != nullptr) *lse_dst[mi] = lse_val[mi];
+    }
+    pending = false;
+  };
 
   for (int taken = 0;; ++taken) {
     const int qb = taken % Tr::kQBufs;
@@ -373,7 +428,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     constexpr bool kEarlyRelease = Tr::kQBufs == 1;
     const int head = it.head, batch = it.batch;
     const flash::fa2::ScoreMod score_mod(p, batch, head);
-    clear(acc_o);
 
     flash::fa2::Softmax<2> softmax;
     if (!tiles.empty()) {
@@ -387,7 +441,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if constexpr (Tr::kSchedule == Schedule::kSerial) {
         auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
           pipe_k.consumer_wait(state);
-          wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+          wgmma(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s, true);
+          if (decltype(first)::value && pending) store_o();  // under the S GEMM
           warpgroup_wait<0>();
           pipe_k.consumer_release(state);
           if (kEarlyRelease && n == tiles.begin) release_q();
@@ -396,7 +451,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           Tensor rP = flash::fa2::convert_fragment<Element>(acc_s);
           Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
           pipe_v.consumer_wait(state);
-          wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, state.index()), acc_o);
+          if constexpr (decltype(first)::value) forget(acc_o);
+          wgmma(mma_o, tOrP, tOrVt(_, _, _, state.index()), acc_o, decltype(first)::value);
           warpgroup_wait<0>();
           pipe_v.consumer_release(state);
           if (decltype(first)::value && wg_tid == 0) FA3_MARK(taken, 5 * cw + 2, clock64());
@@ -432,16 +488,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         Tensor rP = make_tensor<Element>(acc_s.layout());
         Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
         cutlass::PipelineState<Tr::kStages> prev;
+        bool o_zero = true;  // the item's first P V
         auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
           constexpr bool kFirst = decltype(first)::value;
           pipe_k.consumer_wait(state);
           take_turn();
-          wgmma<true>(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s);
+          wgmma(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s, true);
           if constexpr (!kFirst) {
             pipe_v.consumer_wait(prev);
-            wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o);
+            wgmma(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o, o_zero);
+            o_zero = false;
           }
           pass_turn();
+          if (kFirst && pending) store_o();  // under the S GEMM
           warpgroup_wait<kFirst ? 0 : 1>();  // S[n]; P[n+1] V[n+1] runs on
           pipe_k.consumer_release(state);
           if (kEarlyRelease && n == tiles.begin) release_q();
@@ -459,6 +518,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             pipe_v.consumer_release(prev);
           }
           copy(flash::fa2::convert_fragment<Element>(acc_s), rP);
+          if constexpr (kFirst) forget(acc_o);  // the next P V is the item's first (o_zero)
           if (kFirst && wg_tid == 0) FA3_MARK(taken, 5 * cw + 2, clock64());
           prev = state;
           ++state;
@@ -467,7 +527,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // The last tile's P V.
         pipe_v.consumer_wait(prev);
         take_turn();
-        wgmma<false>(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o);
+        wgmma(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o, o_zero);
         if (cw == 0) pass_turn();
         warpgroup_wait<0>();
         pipe_v.consumer_release(prev);
@@ -477,10 +537,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (!kEarlyRelease) release_q();
     } else {
       release_q();  // only the index was read
+      if (pending) store_o();
+      clear(acc_o);
       for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
     }
 
-    // ---- epilogue: O /= l, from registers to global in 16-byte stores, and the lse ----------
+    // ---- epilogue, first half: O /= l, in 16 bits, transposed within quads (store_o) ------
     // Each lane of a quad holds two adjacent columns of every 8-column block of its two rows; a
     // 4 x 4 transpose of those column pairs across the quad gives each lane all 8 columns of
     // one block in four. So each store is 16 bytes, a quarter of the instructions and L2
@@ -490,13 +552,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     float lse[2];
     softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);  // O stays 0 if no key
     Element* o = static_cast<Element*>(p.o) + batch * p.o_strides.batch + head * p.o_strides.head;
-    const int quad = wg_tid % 4;
     CUTE_UNROLL
-    for (int mi = 0; mi < size<0>(acc_o_rc); ++mi) {
+    for (int mi = 0; mi < 2; ++mi) {
       const int row = wg_row0 + get<0>(cO_rc(mi, 0));
       CUTE_UNROLL
       for (int g = 0; g < kHeadDim / 32; ++g) {  // groups of four 8-column blocks
-        uint32_t w[4];  // w[j]: this lane's column pair of block 4g + j
+        uint32_t(&w)[4] = o_pack[mi][g];  // w[j]: this lane's column pair of block 4g + j
         CUTE_UNROLL
         for (int j = 0; j < 4; ++j) {
           Element pair[2] = {Element(acc_o_rc(mi, 8 * g + 2 * j)),
@@ -504,18 +565,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           w[j] = *reinterpret_cast<uint32_t*>(pair);
         }
         quad_transpose(w, quad);  // now w[j]: lane j's column pair of block 4g + quad
-        const int col = 32 * g + 8 * quad;
-        if (row < p.seqlen_q && col < p.head_dim) {
-          *reinterpret_cast<uint4*>(o + int64_t(row) * p.o_strides.row + col) =
-              make_uint4(w[0], w[1], w[2], w[3]);
-        }
       }
-      if (quad == 0 && row < p.seqlen_q) {
-        p.lse[(int64_t(batch) * p.heads + head) * p.seqlen_q + row] = lse[mi];
-      }
+      const bool in = row < p.seqlen_q;
+      o_dst[mi] = in ? o + int64_t(row) * p.o_strides.row + 8 * quad : nullptr;
+      lse_dst[mi] =
+          in && quad == 0 ? p.lse + (int64_t(batch) * p.heads + head) * p.seqlen_q + row : nullptr;
+      lse_val[mi] = lse[mi];
     }
+    pending = true;
+    if constexpr (!kDeferStores) store_o();
     if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 4, clock64());
   }  // items
+  if (pending) store_o();  // the last item's
 #endif
 }
 
