@@ -68,7 +68,8 @@ struct FwdTraits {
                                          GMMA::Layout_K_SW64_Atom<Element>>;
   // Q is double-buffered where shared memory has room (hdim <= 128), so that the producer loads
   // the next item's Q while the consumers still run this one's GEMMs: each consumer goes on to
-  // the next item as soon as it has written its O, without waiting for the others or for a load.
+  // the next item as soon as it has packed its O (whose stores then follow under the next
+  // item's first S GEMM), without waiting for the others or for a load.
   static constexpr int kSmemLimit = 227 * 1024;  // per block, H100 / H200
   static constexpr int kQBufs =
       (2 * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + 1024 <= kSmemLimit
@@ -146,9 +147,9 @@ __device__ __forceinline__ void wgmma(Mma& mma, A const& a, B const& b, C& c, bo
 // Ends the life of a float fragment's values for the compiler: an empty asm that writes each
 // register without reading it. The first P V of an item overwrites O's accumulator (ScaleOut
 // Zero), but its asm reads the registers all the same, which would keep the item before's O
-// alive into this item's first key tile, next to the O being stored (with the stores deferred
-// at hdim 256, 640 B of spills without forget, 300 B with); forgetting O before that P V frees
-// the registers in between.
+// alive into this item's first key tile, next to the O being stored (measured on the dropped
+// hdim 256 variant that deferred its stores too: 640 B of spills without forget, 300 B with);
+// forgetting O before that P V frees the registers in between.
 template <class Fragment>
 __device__ __forceinline__ void forget(Fragment& f) {
   CUTE_UNROLL

@@ -5,10 +5,11 @@
 // Without FA3_TRACE the marks compile to nothing.
 //
 // Slots: consumer warpgroup c (0-2) 5c + {0: before its wait for the item's Q, 1: after it,
-// 2: after its first key tile (and the stores of the item before's O, under its S GEMM), 3:
-// after its last P V, 4: after its O is finalized and packed for the stores}; producer 15: before its wait for a free Q buffer, 16: after issuing the Q load;
-// 17: the item's key tiles (consumer 0); 18: when its Q landed (a producer thread that waits);
-// 19 + c: when consumer c released the item's Q buffer.
+// 2: after its first key tile, 3: after its last P V, 4: after its epilogue (O finalized and
+// packed; with one Q buffer also stored, with two the stores come in the next item's first
+// key tile, between its marks 1 and 2)}; producer 15: before its wait for a free Q buffer,
+// 16: after issuing the Q load; 17: the item's key tiles (consumer 0); 18: when its Q landed
+// (a producer thread that waits); 19 + c: when consumer c released the item's Q buffer.
 #pragma once
 
 #ifdef FA3_TRACE

@@ -171,7 +171,7 @@ int main(int argc, char** argv) {
     q_wait.print("waiting for Q");
     first.print("first key tile");
     rest.print("the other key tiles");
-    epilogue.print("epilogue (stores issued)");
+    epilogue.print("epilogue (stores issued with one Q buffer)");
     gap.print("to the next wait for Q");
     q_load.print("Q load: issued to landed (producer)");
     q_after_loop.print("Q landed after the previous item's last P V");
