@@ -35,13 +35,21 @@ using namespace cute;
 enum class Schedule { kSerial, kOverlap, kPingPong };
 
 template <typename T, int kHeadDim_, int kBlockN_, int kStages_, bool kScoreMod_,
-          Schedule kSchedule_, int kConsumers_ = 2>
+          Schedule kSchedule_, int kConsumers_ = 2, int kClusterM_ = 1>
 struct FwdTraits {
   using Element = typename flash::fa2::CuteType<T>::type;
   static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kStages = kStages_;
   static constexpr bool kScoreMod = kScoreMod_;  // softcap or ALiBi may be on (runtime fields)
   static constexpr Schedule kSchedule = kSchedule_;
   static constexpr int kConsumers = kConsumers_;  // warpgroups, 64 rows each
+  // CTAs per cluster: a cluster's CTAs take neighbouring query tiles of one (head, batch) and
+  // the same key tiles; each CTA's producer loads 1 / kClusterM of every K / V tile and
+  // multicasts it to all of them (half the L2 reads at 2; fa3_tiles.h says where it runs).
+  // Full attention only (the CTAs must see the same key tiles). The clusters take items at a
+  // static stride: unmasked items cost the same, and the claim would have to be shared.
+  static constexpr int kClusterM = kClusterM_;
+  using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
+  static_assert(kClusterM == 1 || kClusterM == 2);
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   // setmaxnreg: the producer needs a few registers, the consumers all they can get, and the
@@ -199,16 +207,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash::fa2::KeyTiles tiles;
   };
   const flash::fa2::Mask mask(p);
+  // In a cluster the order's tiles are groups of kClusterM query tiles; the CTA of rank r takes
+  // the r-th, and the key tiles are those of the whole group, the same in every CTA.
+  const int rank = Tr::kClusterM > 1 ? int(cute::block_rank_in_cluster()) : 0;
   auto item_at = [&](int i) {
     const flash::fa2::WorkItem w = order.decode_fast(i);  // items fit in int32 (launcher)
     Item it;
-    it.m_block = order.tiles - 1 - w.tile;
+    const int group = order.tiles - 1 - w.tile;
+    it.m_block = group * Tr::kClusterM + rank;
     it.head = w.head;
     it.batch = w.batch;
     it.head_k = w.head_k;
     it.row0 = it.m_block * kBlockM;
-    it.tiles = mask.key_tiles<kBlockM, kBlockN>(it.row0);
+    it.tiles =
+        mask.key_tiles<kBlockM * Tr::kClusterM, kBlockN>(group * Tr::kClusterM * kBlockM);
     return it;
+  };
+  auto first_item = [&] {
+    return Tr::kClusterM > 1 ? int(blockIdx.x) / Tr::kClusterM : sched.first();
+  };
+  auto next_item = [&](int i) {
+    return Tr::kClusterM > 1 ? i + int(gridDim.x) / Tr::kClusterM : sched.next();
   };
   // The warpgroup index through a shuffle from lane 0, so that ptxas knows it is warp-uniform:
   // each consumer's key range (and so its pipeline state and WGMMA descriptors) depends on it,
@@ -227,8 +246,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   pipe_params.is_leader = threadIdx.x == 0;
   pipe_params.num_consumers = 128 * Tr::kConsumers;
   pipe_params.transaction_bytes = Tr::kTmaBytesKV;
-  Pipeline pipe_k(shared.pipe_k, pipe_params, Shape<_1, _1, _1>{});
-  Pipeline pipe_v(shared.pipe_v, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipe_k(shared.pipe_k, pipe_params, typename Tr::ClusterShape{});
+  Pipeline pipe_v(shared.pipe_v, pipe_params, typename Tr::ClusterShape{});
   if (threadIdx.x == 0) {
     for (int b = 0; b < Tr::kQBufs; ++b) {
       cutlass::arch::ClusterTransactionBarrier::init(&shared.q_full[b], 1);
@@ -236,7 +255,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();  // barriers initialised before anyone waits on them
+  // Barriers initialised before anyone waits on them, and in a cluster before the other CTAs
+  // arrive on them or multicast into this one.
+  if constexpr (Tr::kClusterM > 1) {
+    cute::cluster_arrive_relaxed();
+    cute::cluster_wait();
+  } else {
+    __syncthreads();
+  }
 
   if (wg == 0) {
     // ---- producer ----------------------------------------------------------------------
@@ -247,8 +273,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       Tensor mV = tma.v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.heads_k, p.batch));
       Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
       auto state = cutlass::make_producer_start_state<Pipeline>();
+      auto kv_tma = [](auto const& tma_kv, uint64_t& full) {
+        if constexpr (Tr::kClusterM > 1) {
+          return tma_kv.with(full, uint16_t((1 << Tr::kClusterM) - 1));
+        } else {
+          return tma_kv.with(full);
+        }
+      };
       const int items = int(order.items());  // fits (launcher)
-      int i = sched.first();
+      int i = first_item();
       for (int published = 0;; ++published) {
         const int qb = published % Tr::kQBufs;
         uint64_t* q_full = &shared.q_full[qb];
@@ -272,10 +305,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
         auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{},
                                         group_modes<0, 2>(sQ(_, _, qb)), group_modes<0, 2>(gQ));
-        auto [tKg, tKs] = tma_partition(tma.k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                        group_modes<0, 2>(gK));
-        auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                        group_modes<0, 2>(gV));
+        // Each CTA of a cluster loads its 1 / kClusterM slice of every K / V tile into all.
+        auto [tKg, tKs] = tma_partition(tma.k, rank, Layout<Int<Tr::kClusterM>>{},
+                                        group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        auto [tVg, tVs] = tma_partition(tma.v, rank, Layout<Int<Tr::kClusterM>>{},
+                                        group_modes<0, 2>(sV), group_modes<0, 2>(gV));
         FA3_MARK(published, 15, clock64());
         if (published >= Tr::kQBufs) {
           cutlass::arch::ClusterBarrier::wait(&shared.q_empty[qb],
@@ -290,7 +324,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         if (it.tiles.empty()) {
           cutlass::arch::ClusterBarrier::arrive(q_full);
-          i = sched.next();
+          i = next_item(i);
           continue;
         }
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q_full, Tr::kTmaBytesQ);
@@ -299,17 +333,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         #pragma unroll 1  // unrolled, it spilled in the producer's 24 registers
         for (int n = it.tiles.end - 1; n >= it.tiles.begin; --n) {
           pipe_k.producer_acquire(state);
-          copy(tma.k.with(*pipe_k.producer_get_barrier(state)), tKg(_, n),
+          copy(kv_tma(tma.k, *pipe_k.producer_get_barrier(state)), tKg(_, n),
                tKs(_, state.index()));
           pipe_v.producer_acquire(state);
-          copy(tma.v.with(*pipe_v.producer_get_barrier(state)), tVg(_, n),
+          copy(kv_tma(tma.v, *pipe_v.producer_get_barrier(state)), tVg(_, n),
                tVs(_, state.index()));
           ++state;
         }
         // Claim the next item only now, about kStages key tiles before the consumers finish
         // this one: a CTA that claimed it when starting a long item held it back from CTAs that
         // freed up meanwhile (hdim 256 16k causal: 650 against 765 TFLOP/s for one CTA per item).
-        i = sched.next();
+        i = next_item(i);
+      }
+      // In a cluster, the other CTAs' consumers arrive on this CTA's empty barriers: wait for
+      // the last of them before this CTA (and its shared memory) may go.
+      if constexpr (Tr::kClusterM > 1) {
+        pipe_k.producer_tail(state);
+        pipe_v.producer_tail(state);
       }
     }
 #ifdef FA3_TRACE

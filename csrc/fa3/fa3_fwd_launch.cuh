@@ -36,10 +36,18 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   };
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.q_strides, p.seqlen_q, p.heads),
                              take<0, 2>(typename Tr::SmemQ{}));
-  auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, tensor(p.k, p.k_strides, p.seqlen_k, p.heads_k),
-                             take<0, 2>(typename Tr::SmemKV{}));
-  auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, tensor(p.v, p.v_strides, p.seqlen_k, p.heads_k),
-                             take<0, 2>(typename Tr::SmemKV{}));
+  // K / V: multicast to the cluster's CTAs, each loading 1 / kClusterM of a tile.
+  auto kv_tma = [&](const void* ptr, const Strides& s) {
+    auto g = tensor(ptr, s, p.seqlen_k, p.heads_k);
+    if constexpr (Tr::kClusterM > 1) {
+      return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, g, take<0, 2>(typename Tr::SmemKV{}),
+                           Int<Tr::kClusterM>{});
+    } else {
+      return make_tma_copy(SM90_TMA_LOAD{}, g, take<0, 2>(typename Tr::SmemKV{}));
+    }
+  };
+  auto tma_k = kv_tma(p.k, p.k_strides);
+  auto tma_v = kv_tma(p.v, p.v_strides);
   using Tma = FwdTma<decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
   const Tma tma{tma_q, tma_k, tma_v};
   auto kernel = fwd_kernel<Tr, Tma>;
@@ -52,7 +60,12 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   // take the next item from a counter in p.workspace as they free up (fa3_scheduler.h;
   // harness, causal: +1..+28% over one CTA per item, most at 512-2k).
   // max_ctas > 0 overrides the grid (the harness's A/B).
-  const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
+  // In a cluster the order's tiles are groups of kClusterM query tiles (fa3_fwd_kernel.cuh).
+  if (Tr::kClusterM > 1 && (p.causal || p.window_left >= 0 || p.window_right >= 0)) {
+    throw std::runtime_error("flash_attn: fa3 forward: the cluster kernel is full attention only");
+  }
+  const int m_blocks = int((p.seqlen_q + Tr::kBlockM * Tr::kClusterM - 1) /
+                           (Tr::kBlockM * Tr::kClusterM));
   const int heads_per_kv = p.heads / p.heads_k;
   const int64_t kv_bytes = int64_t(p.seqlen_k) * Tr::kHeadDim * 2 * sizeof(Element);
   const int64_t resident = flash::fa2::resident_blocks(kernel, Tr::kThreads, Tr::kSmemBytes,
@@ -60,7 +73,27 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   TileScheduler sched;
   sched.order = flash::fa2::tile_order(m_blocks, p.batch, p.heads, heads_per_kv,
                                        kv_bytes / heads_per_kv, p.l2_bytes, resident);
-  const int64_t ctas = std::min(sched.order.items(), max_ctas > 0 ? max_ctas : resident);
+  int64_t ctas = std::min(sched.order.items(), max_ctas > 0 ? max_ctas : resident);
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[1];
+  if constexpr (Tr::kClusterM > 1) {
+    // One cluster per item up to as many clusters as fit at once.
+    config.gridDim = dim3(unsigned(sched.order.items() * Tr::kClusterM));
+    config.blockDim = dim3(Tr::kThreads);
+    config.dynamicSmemBytes = Tr::kSmemBytes;
+    config.stream = stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = Tr::kClusterM;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    int clusters = 0;
+    FLASH_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+    ctas = std::min(sched.order.items(), int64_t(max_ctas > 0 ? max_ctas : clusters)) *
+           Tr::kClusterM;
+    config.gridDim = dim3(unsigned(ctas));
+  }
   if (ctas == 0) return;
   // The scheduler counts items in 32 bits (up to items + grid): 2^31 tiles of 128 or more
   // query rows would be more Q than a GPU holds.
@@ -75,18 +108,28 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   }
   sched.counter = static_cast<unsigned*>(p.workspace);
   FLASH_CHECK_CUDA(cudaMemsetAsync(sched.counter, 0, sizeof(*sched.counter), stream));
-  kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, sched);
+  if constexpr (Tr::kClusterM > 1) {
+    FLASH_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p, tma, sched));
+  } else {
+    kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, sched);
+  }
   FLASH_CHECK_LAUNCH();
 }
 
-template <typename T, int kHeadDim, typename Tile, bool kScoreMod>
+template <typename T, int kHeadDim, typename Tile, bool kScoreMod, int kClusterM = 1>
 using TraitsOf = FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, kScoreMod, Tile::kSchedule,
-                           Tile::kConsumers>;
+                           Tile::kConsumers, kClusterM>;
 
 // FwdTile's wide or narrow tile (fa3_tiles.h) for this call.
 template <typename T, int kHeadDim, bool kScoreMod>
 void run_fwd_tile(const FwdParams& p, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
+  if constexpr (Tile::kClusterM > 1 && !kScoreMod) {
+    if (!p.causal && p.window_left < 0 && p.window_right < 0) {
+      launch_fwd<TraitsOf<T, kHeadDim, Tile, kScoreMod, Tile::kClusterM>>(p, stream);
+      return;
+    }
+  }
   if constexpr (std::is_void_v<typename Tile::Narrow>) {
     launch_fwd<TraitsOf<T, kHeadDim, Tile, kScoreMod>>(p, stream);
   } else {

@@ -29,7 +29,10 @@
 //   / 96 / 112 below 128 on most cells (up to -12%).
 // - hdim 192 / 256: two consumers (the O accumulator alone is 96 / 128 registers), overlap,
 //   widest two-stage tile. Over serial: hdim 256 +6..+10%, hdim 192 +1..+4%; ping-pong is
-//   between the two.
+//   between the two. hdim 256 full attention in clusters of two CTAs: +3.2% at 2k, +2.7% at 4k,
+//   +0.8% at 1k, +2.5% at 16k (harness, H100, bf16, session 17): a 128 x 80 tile does 128 FLOP
+//   per byte of K / V, 7.7 TB/s from L2 at peak, and the consumers waited for K / V (ncu).
+//   hdim 192 and the three-consumer tiles (192 FLOP per byte) have not been measured with it.
 #pragma once
 
 #include <cstdint>
@@ -50,6 +53,15 @@ struct Tile {
   using Narrow = void;  // no second tile
   static constexpr int kWideGainPct = 0;
   static constexpr bool kWideScoreMod = true;
+  static constexpr int kClusterM = 1;  // CTAs per cluster for full attention (below)
+};
+
+// A tile whose full-attention calls (no causal mask, no window, no score mod) run in clusters
+// of kClusterM CTAs that multicast K / V (fa3_fwd_kernel.cuh): each L2 read of K / V then
+// feeds kClusterM CTAs.
+template <typename Tile, int kClusterM_>
+struct WithCluster : Tile {
+  static constexpr int kClusterM = kClusterM_;
 };
 
 // A wide tile (three consumers) with a narrow one (two) for the query lengths the wide tile
@@ -76,7 +88,7 @@ template <> struct FwdTile<128>
     : WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>, 108,
                  /*kWideScoreMod=*/false> {};
 template <> struct FwdTile<192> : Tile<112, 2, Schedule::kOverlap> {};
-template <> struct FwdTile<256> : Tile<80, 2, Schedule::kOverlap> {};
+template <> struct FwdTile<256> : WithCluster<Tile<80, 2, Schedule::kOverlap>, 2> {};
 
 // Whether a call with seqlen_q query rows is faster on Tile's narrow tile (Tile has one),
 // counting consumer warpgroups per (batch, head): a consumer whose 64 rows all lie past

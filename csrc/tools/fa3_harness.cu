@@ -28,9 +28,10 @@
 #endif
 using Element = cutlass::bfloat16_t;
 constexpr int kD = FA3_HDIM;
-template <int kBlockN, int kStages, flash::fa3::Schedule kSchedule, int kConsumers>
-using Traits =
-    flash::fa3::FwdTraits<__nv_bfloat16, kD, kBlockN, kStages, false, kSchedule, kConsumers>;
+template <int kBlockN, int kStages, flash::fa3::Schedule kSchedule, int kConsumers,
+          int kClusterM = 1>
+using Traits = flash::fa3::FwdTraits<__nv_bfloat16, kD, kBlockN, kStages, false, kSchedule,
+                                     kConsumers, kClusterM>;
 
 // One thread per (batch, head, query row): scores, softmax and O in fp32.
 __global__ void reference(const Element* q, const Element* k, const Element* v, float* o,
@@ -242,6 +243,12 @@ int main(int argc, char** argv) {
   if (only < 0 || only == index) {
     using Tr = Traits<Tile::kBlockN, Tile::kStages, Tile::kSchedule, Tile::kConsumers>;
     run("own, CTA per tile", [&] { flash::fa3::launch_fwd<Tr>(p, 0, INT64_MAX); });
+  }
+  ++index;
+  // FwdTile's own in clusters of two CTAs that multicast K / V (experiment; full only).
+  if ((only < 0 && !causal) || only == index) {
+    using Tr = Traits<Tile::kBlockN, Tile::kStages, Tile::kSchedule, Tile::kConsumers, 2>;
+    run("own, 2-CTA cluster", [&] { flash::fa3::launch_fwd<Tr>(p, 0); });
   }
   ++index;
 #ifdef FA3_TUNE
