@@ -92,6 +92,15 @@ def test_head_dims(d, sq, sk, h, hk, causal, dtype):
     run_case(2, sq, sk, h, hk, d, dtype, dict(causal=causal))
 
 
+# Full attention at hdim 256 runs in clusters of two CTAs on neighbouring query tiles that
+# share their K / V loads (fa3_tiles.h); an odd number of query tiles leaves the last cluster's
+# second CTA without rows, which still loads its half of every K / V tile.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk", SEQLENS)
+def test_cluster_seqlens(sq, sk, dtype):
+    run_case(2, sq, sk, 4, 2, 256, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("h,hk,d", [(6, 2, 64), (7, 1, 128), (8, 2, 256)],
@@ -266,6 +275,9 @@ def test_forced_fa3_with_dropout_is_an_error():
     pytest.param(1, 191, 385, 4, 2, 64, dict(causal=True), id="wide-causal-gqa-d64"),
     pytest.param(1, 384, 129, 2, 2, 96, dict(softcap=5.0), id="wide-softcap-d96"),
     pytest.param(1, 300, 200, 3, 3, 128, dict(causal=True), id="wide-causal-sq>sk-d128"),
+    # Full attention at hdim 256 runs in 2-CTA clusters (K / V multicast); 300 rows are three
+    # query tiles, so the second cluster's second CTA has no rows.
+    pytest.param(2, 300, 200, 4, 2, 256, dict(), id="cluster-full-gqa-d256"),
 ])
 def test_sanitize_small_fa3(b, sq, sk, h, hk, d, spec, dtype):
     run_case(b, sq, sk, h, hk, d, dtype, spec)
