@@ -530,8 +530,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
         cutlass::PipelineState<Tr::kStages> prev;
         bool o_zero = true;  // the item's first P V
+#ifdef FA3_TRACE
+        long long tr_acc[4] = {0, 0, 0, 0};
+#endif
         auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
           constexpr bool kFirst = decltype(first)::value;
+#ifdef FA3_TRACE
+          const long long tr_t0 = clock64();
+#endif
           pipe_k.consumer_wait(state);
           take_turn();
           wgmma(mma_s, tSrQ, tSrK(_, _, _, state.index()), acc_s, true);
@@ -561,12 +567,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           copy(flash::fa2::convert_fragment<Element>(acc_s), rP);
           if constexpr (kFirst) forget(acc_o);  // the next P V is the item's first (o_zero)
           if (kFirst && wg_tid == 0) FA3_MARK(taken, 5 * cw + 2, clock64());
+#ifdef FA3_TRACE
+          if constexpr (!kFirst) {
+            constexpr int kSlot = decltype(masked)::value ? 0 : 2;
+            tr_acc[kSlot] += clock64() - tr_t0;
+            tr_acc[kSlot + 1] += 1;
+          }
+#endif
           prev = state;
           ++state;
         };
         flash::fa2::walk_key_tiles(tiles, step);
+#ifdef FA3_TRACE
+        if (wg_tid == 0) {
+          for (int k = 0; k < 4; ++k) FA3_MARK(taken, 24 + 4 * cw + k, tr_acc[k]);
+        }
+#endif
         // The last tile's P V.
+        if (wg_tid == 0) FA3_MARK(taken, 32 + cw, clock64());
         pipe_v.consumer_wait(prev);
+        if (wg_tid == 0) FA3_MARK(taken, 34 + cw, clock64());
         take_turn();
         wgmma(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o, o_zero);
         if (cw == 0) pass_turn();

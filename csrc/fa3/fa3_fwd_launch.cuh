@@ -125,7 +125,9 @@ template <typename T, int kHeadDim, bool kScoreMod>
 void run_fwd_tile(const FwdParams& p, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
   if constexpr (Tile::kClusterM > 1 && !kScoreMod) {
-    if (!p.causal && p.window_left < 0 && p.window_right < 0) {
+    const int64_t items = (p.seqlen_q + 64 * Tile::kConsumers - 1) / (64 * Tile::kConsumers) *
+                          p.batch * p.heads;
+    if (!p.causal && p.window_left < 0 && p.window_right < 0 && cluster_pays(p, items)) {
       launch_fwd<TraitsOf<T, kHeadDim, Tile, kScoreMod, Tile::kClusterM>>(p, stream);
       return;
     }

@@ -58,11 +58,22 @@ struct Tile {
 
 // A tile whose full-attention calls (no causal mask, no window, no score mod) run in clusters
 // of kClusterM CTAs that multicast K / V (fa3_fwd_kernel.cuh): each L2 read of K / V then
-// feeds kClusterM CTAs.
+// feeds kClusterM CTAs. Only where the items are long and fill the GPU (cluster_pays below).
 template <typename Tile, int kClusterM_>
 struct WithCluster : Tile {
   static constexpr int kClusterM = kClusterM_;
 };
+
+// Whether a full-attention call runs Tile's clusters. hdim 256, harness, bf16, one-CTA kernel
+// against clusters of two (session 18, H200): seqlen 512 525 / 500, 768 600 / 566, 1k 638 /
+// 632, 1.5k 646 / 633, 2k 704 / 713 TFLOP/s; 512 queries x 4k keys (64 items, fewer than the
+// SMs) 373 / 365. (H100, session 17: 2k +3.3%, 1k +0.8%; the benchmark's full 512 fell from
+// 0.93 to 0.89x cuDNN with clusters.) The multicast halves the K / V reads, which pays where
+// the K / V stream is the limit, in long items; in short ones the clusters' static item stride
+// and lock-step pairs cost more.
+inline bool cluster_pays(const FwdParams& p, int64_t items) {
+  return p.seqlen_k >= 2048 && items >= 2 * int64_t(p.num_sms);
+}
 
 // A wide tile (three consumers) with a narrow one (two) for the query lengths the wide tile
 // would pad too much. kWideGainPct: the wide tile's speed over the narrow one's on query

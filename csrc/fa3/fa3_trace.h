@@ -10,6 +10,9 @@
 // key tile, between its marks 1 and 2)}; producer 15: before its wait for a free Q buffer,
 // 16: after issuing the Q load; 17: the item's key tiles (consumer 0); 18: when its Q landed
 // (a producer thread that waits); 19 + c: when consumer c released the item's Q buffer.
+// Overlap schedule, consumer c < 2: 24 + 4c + {0: cycles in masked steps after the first,
+// 1: their count, 2: cycles in unmasked steps after the first, 3: their count}; 32 + c: before
+// the last P V's wait for its V, 34 + c: after it (the last P V then runs to mark 5c + 3).
 #pragma once
 
 #ifdef FA3_TRACE
@@ -17,7 +20,7 @@
 
 namespace flash::fa3 {
 __device__ long long* fa3_trace;  // kTraceItems x kTraceSlots per CTA
-constexpr int kTraceSlots = 24, kTraceItems = 64;
+constexpr int kTraceSlots = 40, kTraceItems = 64;
 }  // namespace flash::fa3
 
 #define FA3_MARK(k, slot, value)                                                             \

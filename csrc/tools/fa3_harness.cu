@@ -142,6 +142,8 @@ int main(int argc, char** argv) {
         printf("  %-46s %8.0f  (%ld records)\n", name, n ? sum / n : 0.0, n);
       }
     };
+    double steps[3][4] = {};  // per consumer: masked cycles, count, unmasked cycles, count
+    Mean last_v_wait, last_pv;
     Mean item, q_wait, first, rest, epilogue, gap, q_load, q_after_loop, released, issued, tiles;
     for (int c = 0; c < p.num_sms; ++c) {
       auto at = [&](int k, int s) { return t[(size_t(c) * kTraceItems + k) * kTraceSlots + s]; };
@@ -163,6 +165,11 @@ int main(int argc, char** argv) {
           released.add(at(k, 19 + cw), mark(k, 3));
           issued.add(at(k, 19 + cw), at(k + 1, 16));
           tiles.sum += double(at(k, 17)), ++tiles.n;
+          for (int j = 0; j < 4; ++j) steps[cw][j] += double(at(k, 24 + 4 * cw + j));
+          if (cw < 2) {
+            last_v_wait.add(at(k, 32 + cw), at(k, 34 + cw));
+            last_pv.add(at(k, 34 + cw), mark(k, 3));
+          }
         }
       }
     }
@@ -178,6 +185,13 @@ int main(int argc, char** argv) {
     q_after_loop.print("Q landed after the previous item's last P V");
     released.print("Q released before the item's last P V ends");
     issued.print("next Q issued after this consumer released");
+    last_v_wait.print("last P V: waiting for its V");
+    last_pv.print("last P V: issued to done");
+    for (int cw = 0; cw < 2; ++cw) {
+      printf("  consumer %d steps after the first: masked %.0f cycles x %.2f per item, unmasked "
+             "%.0f x %.2f\n", cw, steps[cw][0] / fmax(steps[cw][1], 1), steps[cw][1] / fmax(item.n / 2.0, 1),
+             steps[cw][2] / fmax(steps[cw][3], 1), steps[cw][3] / fmax(item.n / 2.0, 1));
+    }
   };
 #endif
   auto run = [&](const char* name, auto launch) {
