@@ -93,10 +93,18 @@ def test_head_dims(d, sq, sk, h, hk, causal, dtype):
 
 
 # Full attention at hdim 256 runs in clusters of two CTAs on neighbouring query tiles that
-# share their K / V loads where the items are long and fill the GPU (fa3_tiles.h, cluster_pays:
-# seqlen_k >= 2048 and at least two (query tile, head, batch) items per SM); the head count
-# makes these shapes qualify. An odd number of query tiles leaves the last cluster's second CTA
-# without rows, which still loads its half of every K / V tile.
+# share their K / V loads, where the items are long and fill the GPU (fa3_tiles.h, cluster_pays:
+# seqlen_k >= 2048 and two (query tile, head, batch) items per SM). FLASH_ATTN_FA3_CLUSTER=1
+# runs them on every full-attention call, so the awkward shapes cover the cluster kernel; an
+# odd number of query tiles leaves the last cluster's second CTA without rows, which still
+# loads its half of every K / V tile.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk", SEQLENS)
+def test_cluster_seqlens(sq, sk, dtype, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_FA3_CLUSTER", "1")
+    run_case(2, sq, sk, 4, 2, 256, dtype)
+
+
 def cluster_heads(sq, b, hk):
     """Query heads (a multiple of hk) that give at least two 128-row items per SM."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -104,10 +112,12 @@ def cluster_heads(sq, b, hk):
     return hk * -(-2 * sms // (per_head * hk))
 
 
+# The automatic choice (unset) and the one-CTA kernel (0) on shapes where the rule picks clusters.
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("sq,sk", [(1, 2048), (129, 2500), (300, 2048), (1000, 4097),
-                                   (2049, 2048)])
-def test_cluster_seqlens(sq, sk, dtype):
+@pytest.mark.parametrize("switch", ["", "0"], ids=["auto", "off"])
+@pytest.mark.parametrize("sq,sk", [(300, 2048), (1000, 4097)])
+def test_cluster_rule(sq, sk, switch, dtype, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_FA3_CLUSTER", switch)
     run_case(2, sq, sk, cluster_heads(sq, 2, 2), 2, 256, dtype)
 
 
@@ -285,10 +295,14 @@ def test_forced_fa3_with_dropout_is_an_error():
     pytest.param(1, 191, 385, 4, 2, 64, dict(causal=True), id="wide-causal-gqa-d64"),
     pytest.param(1, 384, 129, 2, 2, 96, dict(softcap=5.0), id="wide-softcap-d96"),
     pytest.param(1, 300, 200, 3, 3, 128, dict(causal=True), id="wide-causal-sq>sk-d128"),
-    # Full attention at hdim 256 in 2-CTA clusters (K / V multicast: seqlen_k >= 2048 and 264
-    # items, two per SM of an H100 / H200); 300 rows are three query tiles, so every second
-    # cluster's second CTA has no rows.
-    pytest.param(2, 300, 2048, 44, 2, 256, dict(), id="cluster-full-gqa-d256"),
 ])
 def test_sanitize_small_fa3(b, sq, sk, h, hk, d, spec, dtype):
     run_case(b, sq, sk, h, hk, d, dtype, spec)
+
+
+# Full attention at hdim 256 in 2-CTA clusters (K / V multicast), forced on a small shape; 300
+# rows are three query tiles, so the second cluster's second CTA has no rows.
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sanitize_small_fa3_cluster(dtype, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_FA3_CLUSTER", "1")
+    run_case(2, 300, 200, 4, 2, 256, dtype)

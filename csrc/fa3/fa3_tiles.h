@@ -36,6 +36,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "fa3/fa3_fwd_kernel.cuh"
@@ -71,7 +72,12 @@ struct WithCluster : Tile {
 // 0.93 to 0.89x cuDNN with clusters.) The multicast halves the K / V reads, which pays where
 // the K / V stream is the limit, in long items; in short ones the clusters' static item stride
 // and lock-step pairs cost more.
+// FLASH_ATTN_FA3_CLUSTER=1 runs the clusters wherever the tile has them (full attention, no
+// score mod), 0 never, unset the rule above; read at every call, for A/B runs and for the
+// tests that cover the cluster kernel on small shapes.
 inline bool cluster_pays(const FwdParams& p, int64_t items) {
+  const char* env = std::getenv("FLASH_ATTN_FA3_CLUSTER");
+  if (env != nullptr && *env != '\0') return std::atoi(env) != 0;
   return p.seqlen_k >= 2048 && items >= 2 * int64_t(p.num_sms);
 }
 
