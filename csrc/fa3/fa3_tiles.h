@@ -70,8 +70,8 @@ struct WithCluster : Tile {
 // 632, 1.5k 646 / 633, 2k 704 / 713 TFLOP/s; 512 queries x 4k keys (64 items, fewer than the
 // SMs) 373 / 365. (H100, session 17: 2k +3.3%, 1k +0.8%; the benchmark's full 512 fell from
 // 0.93 to 0.89x cuDNN with clusters.) The multicast halves the K / V reads, which pays where
-// the K / V stream is the limit, in long items; in short ones the clusters' static item stride
-// and lock-step pairs cost more.
+// the K / V stream is the limit, in long items; why short ones lose was not measured (the
+// clusters take items at a static stride and run their pairs in lock step: candidates).
 // FLASH_ATTN_FA3_CLUSTER=1 runs the clusters wherever the tile has them (full attention, no
 // score mod), 0 never, unset the rule above; read at every call, for A/B runs and for the
 // tests that cover the cluster kernel on small shapes.
