@@ -142,7 +142,9 @@ int main(int argc, char** argv) {
         printf("  %-46s %8.0f  (%ld records)\n", name, n ? sum / n : 0.0, n);
       }
     };
-    double steps[3][4] = {};  // per consumer: masked cycles, count, unmasked cycles, count
+    // Overlap schedule, consumers 0 and 1 (fa3_trace.h): cycles in masked steps, their count,
+    // cycles in unmasked steps, their count, and the items summed over.
+    double steps[2][5] = {};
     Mean last_v_wait, last_pv;
     Mean item, q_wait, first, rest, epilogue, gap, q_load, q_after_loop, released, issued, tiles;
     for (int c = 0; c < p.num_sms; ++c) {
@@ -165,8 +167,9 @@ int main(int argc, char** argv) {
           released.add(at(k, 19 + cw), mark(k, 3));
           issued.add(at(k, 19 + cw), at(k + 1, 16));
           tiles.sum += double(at(k, 17)), ++tiles.n;
-          for (int j = 0; j < 4; ++j) steps[cw][j] += double(at(k, 24 + 4 * cw + j));
           if (cw < 2) {
+            for (int j = 0; j < 4; ++j) steps[cw][j] += double(at(k, 24 + 4 * cw + j));
+            steps[cw][4] += 1;
             last_v_wait.add(at(k, 32 + cw), at(k, 34 + cw));
             last_pv.add(at(k, 34 + cw), mark(k, 3));
           }
@@ -188,9 +191,10 @@ int main(int argc, char** argv) {
     last_v_wait.print("last P V: waiting for its V");
     last_pv.print("last P V: issued to done");
     for (int cw = 0; cw < 2; ++cw) {
+      const double* st = steps[cw];
       printf("  consumer %d steps after the first: masked %.0f cycles x %.2f per item, unmasked "
-             "%.0f x %.2f\n", cw, steps[cw][0] / fmax(steps[cw][1], 1), steps[cw][1] / fmax(item.n / 2.0, 1),
-             steps[cw][2] / fmax(steps[cw][3], 1), steps[cw][3] / fmax(item.n / 2.0, 1));
+             "%.0f x %.2f\n", cw, st[0] / fmax(st[1], 1), st[1] / fmax(st[4], 1),
+             st[2] / fmax(st[3], 1), st[3] / fmax(st[4], 1));
     }
   };
 #endif
