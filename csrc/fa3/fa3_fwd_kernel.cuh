@@ -82,6 +82,15 @@ struct FwdTraits {
   static constexpr int kQBufs =
       (2 * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + 1024 <= kSmemLimit
           ? 2 : 1;
+  // At hdim 256 (one Q buffer) O leaves through shared memory: each consumer writes its 64
+  // rows into the item's last K / V stage (consumer 0 into K, 1 into V; a stage holds at least
+  // 64 rows) with stmatrix, and one of its threads stores them with TMA in 64 x 64 boxes and
+  // hands the stage back to the producer once the store has read it. Over 16-byte stores from
+  // registers (harness, H200): causal 2k +1.0%, 1k +1.8%, full 2k +0.3..1.0%, 16k 0; hdim 192
+  // (the other one-buffer tile) was not measured and keeps them (fa3_notes.md, session 19).
+  static constexpr bool kStageO = kQBufs == 1 && kSchedule == Schedule::kOverlap &&
+                                  kConsumers == 2 && kHeadDim == 256 && kBlockN >= 64;
+  using SmemOBox = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<_64, _64>{}));
   using SmemQ = decltype(tile_to_shape(SwizzleAtom{},
                                        Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQBufs>>{}));
   using SmemKV = decltype(tile_to_shape(SwizzleAtom{},
@@ -107,12 +116,14 @@ struct FwdTraits {
 };
 
 // The TMA descriptors, built by the launcher over (seqlen, head_dim, heads, batch) views.
-template <class TmaQ, class TmaK, class TmaV>
+template <class TmaQ, class TmaK, class TmaV, class TmaO>
 struct FwdTma {
   TmaQ q;
   TmaK k;
   TmaV v;
+  TmaO o;  // the store of O from shared memory (FwdTraits::kStageO), else NoTma
 };
+struct NoTma {};
 
 // An SM90 accumulator ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) seen as (rows, cols).
 template <class Layout>
@@ -178,6 +189,28 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int quad) {
       (upper ? w[k] : w[k + bit]) = recv;
     }
   }
+}
+
+// Four 8 x 8 matrices of 16-bit pairs from an accumulator fragment into shared memory
+// (stmatrix): register j goes to matrix j, whose eight row addresses lanes 8j..8j+7 give.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// Named barriers (CUTLASS's user ids; ping-pong's turns take 0 and 1): for the staged O
+// (kStageO) consumer 1's last S GEMM has read K (kKFree) and consumer 0's last P V has read V
+// (kVFree); kOwn + cw is consumer cw's own (128 threads: its staged O).
+enum NamedBarrierId : uint32_t { kKFree = 2, kVFree = 3, kOwn = 4 };
+
+// True, in a way the compilers cannot see (the lane index is below 32): a branch on it ends a
+// basic block, below which ptxas does not hoist a wait.
+__device__ __forceinline__ bool opaque_true() {
+  uint32_t lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane < 32;
 }
 
 template <class Tr, class Tma>
@@ -335,6 +368,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           pipe_k.producer_acquire(state);
           copy(kv_tma(tma.k, *pipe_k.producer_get_barrier(state)), tKg(_, n),
                tKs(_, state.index()));
+          // With one Q buffer the consumers wait for this Q and the first K: the first V
+          // follows once Q has landed, so that it does not share the SM's intake with them
+          // (harness, H200, hdim 256 with the staged O: causal 2k +0.6%, 512 +1.6%, full 2k 0;
+          // hdim 192 not measured).
+          if (Tr::kStageO && n == it.tiles.end - 1) {
+            cutlass::arch::ClusterBarrier::wait(q_full, (published / Tr::kQBufs) & 1);
+          }
           pipe_v.producer_acquire(state);
           copy(kv_tma(tma.v, *pipe_v.producer_get_barrier(state)), tVg(_, n),
                tVs(_, state.index()));
@@ -392,9 +432,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // into o_pack; store_o writes o_pack and the lse. With two Q buffers the stores wait
   // (pending) until the next item's first S GEMM is on the tensor cores (its Q has landed by
   // then): harness, H100, +2.5% hdim 128 causal 512, +0.8% hdim 64 causal 512 / 1k, the rest
-  // within 0.5%. With one (hdim 256) they follow at once: under the S GEMM they spilled and
-  // made the first key tile 3000 cycles longer, -1.5% at 2k (fa3_notes.md, session 17). O's
-  // accumulator is not live across items: an item's first P V writes it without reading it.
+  // within 0.5%. With one (hdim 192) they follow at once: under the S GEMM they spilled and
+  // made the first key tile 3000 cycles longer, -1.5% at hdim 256 2k (fa3_notes.md, session
+  // 17); hdim 256 stages O in shared memory instead (stage_o below). O's accumulator is not
+  // live across items: an item's first P V writes it without reading it.
   constexpr bool kDeferStores = Tr::kQBufs == 2;
   const int quad = wg_tid % 4;
   uint32_t o_pack[2][kHeadDim / 32][4];
@@ -415,6 +456,73 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (lse_dst[mi] != nullptr) *lse_dst[mi] = lse_val[mi];
     }
     pending = false;
+  };
+
+  // The staged epilogue (kStageO, see FwdTraits): O / l in 16 bits into the item's last K
+  // (consumer 0) or V (consumer 1) stage as 64 x 64 boxes of swizzled 128-byte rows (SmemOBox),
+  // written with stmatrix straight from the accumulator's fragments (no quad transpose), then
+  // stored by one thread with TMA. Consumer 0 may write the K stage once consumer 1's last S
+  // GEMM has read it (kKFree), consumer 1 the V stage once consumer 0's last P V has (kVFree);
+  // each holds back its release of that stage until the stores have read it. Consumer 1 arrives
+  // on kKFree before it waits on kVFree, consumer 0 on kVFree after it has waited on kKFree, so
+  // neither barrier can see an item's arrival before the item before has passed it.
+  constexpr bool kStageO = Tr::kStageO;
+  cutlass::PipelineState<Tr::kStages> o_state;  // the item's last K / V stage
+  auto stage_o = [&](const auto& tma_o, const Item& it, int wg_row0, const float (&lse)[2]) {
+    uint32_t pk[2][kHeadDim / 8];  // this lane's column pair of each 8-column block, per row
+    CUTE_UNROLL
+    for (int mi = 0; mi < 2; ++mi) {
+      CUTE_UNROLL
+      for (int b = 0; b < kHeadDim / 8; ++b) {
+        Element pair[2] = {Element(acc_o_rc(mi, 2 * b)), Element(acc_o_rc(mi, 2 * b + 1))};
+        pk[mi][b] = *reinterpret_cast<uint32_t*>(pair);
+      }
+    }
+    if (cw == 1) cutlass::arch::NamedBarrier::sync(256, kVFree);
+    Element* region = (cw == 0 ? shared.k.data() : shared.v.data()) +
+                      o_state.index() * kBlockN * kHeadDim;
+    const uint32_t base = cute::cast_smem_ptr_to_uint(region);
+    // stmatrix x4: matrices (row half 0, block 2c), (1, 2c), (0, 2c + 1), (1, 2c + 1); lane l
+    // gives row l % 8 of matrix l / 8. Swizzle: 16-byte chunk k of row r at chunk k ^ (r % 8).
+    const int lane = wg_tid % 32, half = lane / 16;
+    const int row = 16 * (wg_tid / 32) + 8 * ((lane / 8) % 2) + lane % 8;
+    CUTE_UNROLL
+    for (int c = 0; c < kHeadDim / 16; ++c) {
+      const int blk = 2 * c + half;
+      stmatrix_x4(base + (blk / 8) * 8192 + row * 128 + (((blk % 8) ^ (row % 8)) << 4),
+                  pk[0][2 * c], pk[1][2 * c], pk[0][2 * c + 1], pk[1][2 * c + 1]);
+    }
+    cutlass::arch::fence_view_async_shared();  // the writes, before the async proxy reads them
+    cutlass::arch::NamedBarrier::sync(128, kOwn + cw);
+    if (wg_tid == 0) {
+      // (tma_o is tma.o, a parameter so that this generic lambda compiles only where staged)
+      Tensor mO = tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.heads, p.batch));
+      auto cta_o = tma_o.get_slice(Int<0>{});
+      CUTE_UNROLL
+      for (int j = 0; j < kHeadDim / 64; ++j) {  // rows past seqlen_q, columns past head_dim clip
+        Tensor sO = make_tensor(make_smem_ptr(region + 64 * 64 * j), typename Tr::SmemOBox{});
+        Tensor gO = local_tile(mO(_, _, it.head, it.batch), Shape<_64, _64>{},
+                               make_coord(wg_row0 / 64, j));
+        copy(tma_o, cta_o.partition_S(sO), cta_o.partition_D(gO));
+      }
+      tma_store_arrive();
+      tma_store_wait<0>();  // read out of shared memory (the writes to out complete on their own)
+    }
+    if (quad == 0) {
+      CUTE_UNROLL
+      for (int mi = 0; mi < 2; ++mi) {
+        const int r = wg_row0 + get<0>(cO_rc(mi, 0));
+        if (r < p.seqlen_q) {
+          p.lse[(int64_t(it.batch) * p.heads + it.head) * p.seqlen_q + r] = lse[mi];
+        }
+      }
+    }
+    cutlass::arch::NamedBarrier::sync(128, kOwn + cw);  // the stores have read the stage
+    if (cw == 0) {  // (not a ternary of the two pipelines: that put them on the stack)
+      pipe_k.consumer_release(o_state);
+    } else {
+      pipe_v.consumer_release(o_state);
+    }
   };
 
   for (int taken = 0;; ++taken) {
@@ -549,7 +657,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           pass_turn();
           if (kFirst && pending) store_o();  // under the S GEMM
           warpgroup_wait<kFirst ? 0 : 1>();  // S[n]; P[n+1] V[n+1] runs on
-          pipe_k.consumer_release(state);
+          if (!kStageO || n != tiles.begin || cw == 1) pipe_k.consumer_release(state);
+          if (kStageO && n == tiles.begin && cw == 1) {
+            cutlass::arch::NamedBarrier::arrive(256, kKFree);  // consumer 0 may write this K stage
+          }
           if (kEarlyRelease && n == tiles.begin) release_q();
           scores(n, masked);
           float correction[2];
@@ -557,11 +668,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               softmax.template online<kFirst, /*kBranch=*/false>(s_rc, p.softmax_scale_log2,
                                                                   correction);
           if constexpr (!kFirst) {
-            if (rescale_o) {
+            // The wait must be one instruction for the whole warpgroup (wgmma.wait_group is
+            // .aligned), so not in the rescale's branch: rescale_o is a vote of the warp, and
+            // synccheck found the warps of a warpgroup at two different waits. A branch that
+            // every thread takes ends the basic block after the exponentials all the same.
+            // (A vote of the four warps cost ~0.5% at hdim 256; with an empty branch or
+            // __syncwarp ptxas put the wait among the exponentials: fa3_notes.md, session 19.)
+            if (opaque_true()) {
               warpgroup_wait<0>();
-              softmax.rescale(acc_o_rc, correction);
+              if (rescale_o) softmax.rescale(acc_o_rc, correction);
             }
-            warpgroup_wait<0>();
             pipe_v.consumer_release(prev);
           }
           copy(flash::fa2::convert_fragment<Element>(acc_s), rP);
@@ -591,7 +707,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         wgmma(mma_o, tOrP, tOrVt(_, _, _, prev.index()), acc_o, o_zero);
         if (cw == 0) pass_turn();
         warpgroup_wait<0>();
-        pipe_v.consumer_release(prev);
+        o_state = prev;
+        if (!kStageO || cw == 0) pipe_v.consumer_release(prev);
+        if (kStageO && cw == 0) {
+          cutlass::arch::NamedBarrier::sync(256, kKFree);    // consumer 1's last S read K
+          cutlass::arch::NamedBarrier::arrive(256, kVFree);  // consumer 1 may write this V stage
+        }
       }
       if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 3, clock64());
       if (wg_tid == 0 && cw == 0) FA3_MARK(taken, 17, tiles.end - tiles.begin);
@@ -601,6 +722,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (pending) store_o();
       clear(acc_o);
       for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
+      // This consumer's rows see no key (its O is zeros or past seqlen_q, stored below) while
+      // the other's may stage O: keep the barriers' turns (see the staged epilogue).
+      if (kStageO && !it.tiles.empty()) {
+        if (cw == 0) {
+          cutlass::arch::NamedBarrier::sync(256, kKFree);
+          cutlass::arch::NamedBarrier::arrive(256, kVFree);
+        } else {
+          cutlass::arch::NamedBarrier::arrive(256, kKFree);
+          cutlass::arch::NamedBarrier::sync(256, kVFree);
+        }
+      }
     }
 
     // ---- epilogue, first half: O /= l, in 16 bits, transposed within quads (store_o) ------
@@ -612,6 +744,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // of 8 and out is 16-byte aligned (the API checks), so a block is all in or all out.
     float lse[2];
     softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);  // O stays 0 if no key
+    if constexpr (kStageO) {
+      if (!tiles.empty()) {
+        stage_o(tma.o, it, wg_row0, lse);
+        if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 4, clock64());
+        continue;
+      }
+    }
     Element* o = static_cast<Element*>(p.o) + batch * p.o_strides.batch + head * p.o_strides.head;
     CUTE_UNROLL
     for (int mi = 0; mi < 2; ++mi) {
@@ -638,6 +777,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 4, clock64());
   }  // items
   if (pending) store_o();  // the last item's
+
 #endif
 }
 

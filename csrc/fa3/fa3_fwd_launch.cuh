@@ -24,21 +24,22 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   // A TMA descriptor needs every stride to be a multiple of 16 bytes, also that of a dimension
   // of extent 1, which the frontend leaves as it comes (a slice of a longer tensor can have
   // any). Such a stride is never stepped along: give it the extent of the dims inside it.
-  auto tensor = [&](const void* ptr, const Strides& s, int seqlen, int heads) {
+  auto tensor = [&](auto* ptr, const Strides& s, int seqlen, int heads) {
     const int64_t row = seqlen > 1 ? s.row : p.head_dim;
     const int64_t head = heads > 1 ? s.head : row * seqlen;
     const int64_t batch = p.batch > 1 ? s.batch : head * heads;
     // The TMA boxes are kHeadDim wide; columns past head_dim (<= kHeadDim) are zero-filled,
     // as are rows past seqlen.
-    return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
-                       make_shape(seqlen, p.head_dim, heads, p.batch),
+    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, p.head_dim, heads, p.batch),
                        make_stride(row, _1{}, head, batch));
   };
-  auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, tensor(p.q, p.q_strides, p.seqlen_q, p.heads),
+  auto tma_q = make_tma_copy(SM90_TMA_LOAD{},
+                             tensor(static_cast<const Element*>(p.q), p.q_strides, p.seqlen_q,
+                                    p.heads),
                              take<0, 2>(typename Tr::SmemQ{}));
   // K / V: multicast to the cluster's CTAs, each loading 1 / kClusterM of a tile.
   auto kv_tma = [&](const void* ptr, const Strides& s) {
-    auto g = tensor(ptr, s, p.seqlen_k, p.heads_k);
+    auto g = tensor(static_cast<const Element*>(ptr), s, p.seqlen_k, p.heads_k);
     if constexpr (Tr::kClusterM > 1) {
       return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, g, take<0, 2>(typename Tr::SmemKV{}),
                            Int<Tr::kClusterM>{});
@@ -48,8 +49,18 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   };
   auto tma_k = kv_tma(p.k, p.k_strides);
   auto tma_v = kv_tma(p.v, p.v_strides);
-  using Tma = FwdTma<decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
-  const Tma tma{tma_q, tma_k, tma_v};
+  // O: stored from shared memory in 64 x 64 boxes where the kernel stages it (kStageO).
+  auto tma_o = [&] {
+    if constexpr (Tr::kStageO) {
+      return make_tma_copy(SM90_TMA_STORE{},
+                           tensor(static_cast<Element*>(p.o), p.o_strides, p.seqlen_q, p.heads),
+                           typename Tr::SmemOBox{});
+    } else {
+      return NoTma{};
+    }
+  }();
+  using Tma = FwdTma<decltype(tma_q), decltype(tma_k), decltype(tma_v), decltype(tma_o)>;
+  const Tma tma{tma_q, tma_k, tma_v, tma_o};
   auto kernel = fwd_kernel<Tr, Tma>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
