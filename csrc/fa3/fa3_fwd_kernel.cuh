@@ -85,8 +85,9 @@ struct FwdTraits {
   // At hdim 256 (one Q buffer) O leaves through shared memory: each consumer writes its 64
   // rows into the item's last K / V stage (consumer 0 into K, 1 into V; a stage holds at least
   // 64 rows) with stmatrix, and one of its threads stores them with TMA in 64 x 64 boxes and
-  // hands the stage back to the producer once the store has read it. Over 16-byte stores from
-  // registers (harness, H200): causal 2k +1.0%, 1k +1.8%, full 2k +0.3..1.0%, 16k 0; hdim 192
+  // hands the stage back to the producer once the store has read it. With the first V after Q
+  // (producer), over 16-byte stores from registers (harness, H200): causal 2k +1.0..1.4%, 1k
+  // +2%, 512 +1.1..1.5%; full 2k 0 (one CTA) / +0.5% (clusters), 1k -0.6%, 4k level. hdim 192
   // (the other one-buffer tile) was not measured and keeps them (fa3_notes.md, session 19).
   static constexpr bool kStageO = kQBufs == 1 && kSchedule == Schedule::kOverlap &&
                                   kConsumers == 2 && kHeadDim == 256 && kBlockN >= 64;
