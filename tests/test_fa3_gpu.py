@@ -296,7 +296,7 @@ def test_forced_fa3_with_dropout_is_an_error():
     pytest.param(1, 384, 129, 2, 2, 96, dict(softcap=5.0), id="wide-softcap-d96"),
     pytest.param(1, 300, 200, 3, 3, 128, dict(causal=True), id="wide-causal-sq>sk-d128"),
     # hdim 256: O staged in the last K / V stage; rows without keys; the consumers' warps decide
-    # the O rescale apart (synccheck found the wait in that branch before the warpgroup vote).
+    # the O rescale apart (synccheck flagged the wait while it sat in the rescale's branch).
     pytest.param(1, 1000, 300, 2, 1, 256, dict(causal=True), id="causal-sq>sk-d256"),
 ])
 def test_sanitize_small_fa3(b, sq, sk, h, hk, d, spec, dtype):

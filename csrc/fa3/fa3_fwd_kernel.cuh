@@ -18,6 +18,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "common/mma.cuh"
 #include "common/params.h"
 #include "fa2/fa2_mask.h"
 #include "fa2/fa2_score_mod.h"
@@ -38,6 +39,7 @@ template <typename T, int kHeadDim_, int kBlockN_, int kStages_, bool kScoreMod_
           Schedule kSchedule_, int kConsumers_ = 2, int kClusterM_ = 1>
 struct FwdTraits {
   using Element = typename flash::fa2::CuteType<T>::type;
+  using Raw = T;  // __half / __nv_bfloat16, for pack2
   static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kStages = kStages_;
   static constexpr bool kScoreMod = kScoreMod_;  // softcap or ALiBi may be on (runtime fields)
   static constexpr Schedule kSchedule = kSchedule_;
@@ -220,6 +222,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                const TileScheduler sched) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Tr::Element;
+  using Raw = typename Tr::Raw;
   using Pipeline = typename Tr::Pipeline;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -475,8 +478,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int mi = 0; mi < 2; ++mi) {
       CUTE_UNROLL
       for (int b = 0; b < kHeadDim / 8; ++b) {
-        Element pair[2] = {Element(acc_o_rc(mi, 2 * b)), Element(acc_o_rc(mi, 2 * b + 1))};
-        pk[mi][b] = *reinterpret_cast<uint32_t*>(pair);
+        pk[mi][b] = pack2<Raw>(acc_o_rc(mi, 2 * b), acc_o_rc(mi, 2 * b + 1));
       }
     }
     if (cw == 1) cutlass::arch::NamedBarrier::sync(256, kVFree);
@@ -761,9 +763,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         uint32_t(&w)[4] = o_pack[mi][g];  // w[j]: this lane's column pair of block 4g + j
         CUTE_UNROLL
         for (int j = 0; j < 4; ++j) {
-          Element pair[2] = {Element(acc_o_rc(mi, 8 * g + 2 * j)),
-                             Element(acc_o_rc(mi, 8 * g + 2 * j + 1))};
-          w[j] = *reinterpret_cast<uint32_t*>(pair);
+          w[j] = pack2<Raw>(acc_o_rc(mi, 8 * g + 2 * j), acc_o_rc(mi, 8 * g + 2 * j + 1));
         }
         quad_transpose(w, quad);  // now w[j]: lane j's column pair of block 4g + quad
       }
@@ -778,7 +778,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 4, clock64());
   }  // items
   if (pending) store_o();  // the last item's
-
 #endif
 }
 
