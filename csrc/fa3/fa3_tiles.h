@@ -33,6 +33,9 @@
 //   +0.8% at 1k, +2.5% at 16k (harness, H100, bf16, session 17): a 128 x 80 tile does 128 FLOP
 //   per byte of K / V, 7.7 TB/s from L2 at peak, and the consumers waited for K / V (ncu).
 //   hdim 192 and the three-consumer tiles (192 FLOP per byte) have not been measured with it.
+//   hdim 256 kBlockN 64 (the only other two-stage width; no padded last key tile at 1k-4k)
+//   against 80, harness, H200 (session 20): full -2.5..-3% at 1k-4k, -4..-7% at 16k (one-CTA
+//   and clusters); causal +6.7% at 512, +1.5% at 1k, -0.8% at 2k, -1.7% at 4k.
 #pragma once
 
 #include <cstdint>

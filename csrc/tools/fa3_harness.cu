@@ -246,13 +246,14 @@ int main(int argc, char** argv) {
   using flash::fa3::Schedule;
   const int only = argc > 7 ? atoi(argv[7]) : -1;
   int index = 0;
-#define FA3_VARIANT(N, S, SCHEDULE, C)                                                     \
+#define FA3_VARIANT_CLUSTER(N, S, SCHEDULE, C, CM)                                         \
   if (only < 0 || only == index) {                                                        \
     run((std::to_string(N) + "x" + std::to_string(S) + " " #SCHEDULE " wg" +               \
-         std::to_string(C)).c_str(),                                                      \
-        [&] { flash::fa3::launch_fwd<Traits<N, S, Schedule::SCHEDULE, C>>(p, 0); });       \
+         std::to_string(C) + " cluster " + std::to_string(CM)).c_str(),                   \
+        [&] { flash::fa3::launch_fwd<Traits<N, S, Schedule::SCHEDULE, C, CM>>(p, 0); });   \
   }                                                                                       \
   ++index;
+#define FA3_VARIANT(N, S, SCHEDULE, C) FA3_VARIANT_CLUSTER(N, S, SCHEDULE, C, 1)
   using Tile = flash::fa3::FwdTile<kD>;
   FA3_VARIANT(Tile::kBlockN, Tile::kStages, kSerial, Tile::kConsumers)
   FA3_VARIANT(Tile::kBlockN, Tile::kStages, kOverlap, Tile::kConsumers)
@@ -287,8 +288,12 @@ int main(int argc, char** argv) {
   FA3_VARIANT(96, 2, kSerial, 3)
   FA3_VARIANT(112, 2, kSerial, 3)
   FA3_VARIANT(176, 2, kSerial, 2)
+#elif FA3_HDIM == 256
+  FA3_VARIANT(64, 2, kOverlap, 2)
+  if (!causal) FA3_VARIANT_CLUSTER(64, 2, kOverlap, 2, 2)
 #endif
 #endif
 #undef FA3_VARIANT
+#undef FA3_VARIANT_CLUSTER
   return all_ok ? 0 : 2;
 }
