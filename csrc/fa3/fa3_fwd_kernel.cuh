@@ -92,7 +92,7 @@ struct FwdTraits {
   // +2%, 512 +1.1..1.5%; full 2k 0 (one CTA) / +0.5% (clusters), 1k -0.6%, 4k level. hdim 192
   // (the other one-buffer tile) was not measured and keeps them (fa3_notes.md, session 19).
   // Taking the wait for the store's read off the consumers (the producer warpgroup issues the
-  // store and releases the stage) ran 0.6..2.6% slower (session 20; not profiled: the read
+  // store and releases the stage) ran 0.3..3% slower (session 20; not profiled: the read
   // then runs beside the next item's first GEMMs, which read shared memory too).
   static constexpr bool kStageO = kQBufs == 1 && kSchedule == Schedule::kOverlap &&
                                   kConsumers == 2 && kHeadDim == 256 && kBlockN >= 64;
