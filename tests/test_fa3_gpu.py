@@ -102,6 +102,7 @@ def test_head_dims(d, sq, sk, h, hk, causal, dtype):
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 def test_cluster_seqlens(sq, sk, dtype, monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_FA3_CLUSTER", "1")
+    monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", "0")  # which takes few items first
     run_case(2, sq, sk, 4, 2, 256, dtype)
 
 
@@ -119,6 +120,33 @@ def cluster_heads(sq, b, hk):
 def test_cluster_rule(sq, sk, switch, dtype, monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_FA3_CLUSTER", switch)
     run_case(2, sq, sk, cluster_heads(sq, 2, 2), 2, 256, dtype)
+
+
+# Full attention at hdim 256 with fewer items than SMs runs stream-K (fa3.h, stream_k_workers):
+# the items cut into pieces of key tiles on more CTAs, each cut item's pieces merged by the one
+# that finishes last. FLASH_ATTN_FA3_STREAM_K=1 runs it on every full-attention call, so the
+# awkward shapes cover it (also the many-item ones, whose items past the static stride's
+# lattice are cut, and the tiny ones, where nothing is cut).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sq,sk", SEQLENS)
+def test_stream_k_seqlens(sq, sk, dtype, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", "1")
+    run_case(2, sq, sk, 4, 2, 256, dtype)
+
+
+# Shapes the rule sends to stream-K (unset) or not (0): a decode step (one query row: the second
+# consumer has no rows), GQA / MQA, a head dim the 256 kernel serves, an item in ~10 pieces
+# (2 items x 63 key tiles), keys that end inside a tile; and a decode step the rule leaves to
+# the plain kernel (12 items x 10 key tiles: pieces of fewer than six).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("switch", ["", "0"], ids=["auto", "off"])
+@pytest.mark.parametrize("b,sq,sk,h,hk,d", [(1, 1, 4096, 16, 4, 256), (1, 64, 5000, 2, 2, 256),
+                                            (2, 200, 3000, 3, 1, 224), (1, 512, 4100, 8, 8, 256),
+                                            (3, 1, 777, 4, 2, 256)],
+                         ids=["decode-gqa", "2-items", "mqa-d224", "512x4100", "decode-777"])
+def test_stream_k_rule(b, sq, sk, h, hk, d, switch, dtype, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", switch)
+    run_case(b, sq, sk, h, hk, d, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -308,4 +336,13 @@ def test_sanitize_small_fa3(b, sq, sk, h, hk, d, spec, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sanitize_small_fa3_cluster(dtype, monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_FA3_CLUSTER", "1")
+    monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", "0")
     run_case(2, 300, 200, 4, 2, 256, dtype)
+
+
+# Stream-K on a small shape the rule picks: 2 items x 19 key tiles on 6 CTAs, three pieces an
+# item; 64 query rows, so the second consumer has none.
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sanitize_small_fa3_stream_k(dtype, monkeypatch):
+    monkeypatch.delenv("FLASH_ATTN_FA3_STREAM_K", raising=False)
+    run_case(1, 64, 1500, 2, 1, 256, dtype)

@@ -36,7 +36,7 @@ using namespace cute;
 enum class Schedule { kSerial, kOverlap, kPingPong };
 
 template <typename T, int kHeadDim_, int kBlockN_, int kStages_, bool kScoreMod_,
-          Schedule kSchedule_, int kConsumers_ = 2, int kClusterM_ = 1>
+          Schedule kSchedule_, int kConsumers_ = 2, int kClusterM_ = 1, bool kStreamK_ = false>
 struct FwdTraits {
   using Element = typename flash::fa2::CuteType<T>::type;
   using Raw = T;  // __half / __nv_bfloat16, for pack2
@@ -52,6 +52,11 @@ struct FwdTraits {
   static constexpr int kClusterM = kClusterM_;
   using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
   static_assert(kClusterM == 1 || kClusterM == 2);
+  // Stream-K (fa3_scheduler.h): full attention only, items taken on the static stride's
+  // lattice and the remainder cut into pieces of key tiles, merged by the last to finish. A
+  // template flag: as a runtime switch its code made the other kernels spill (fa3_notes.md,
+  // session 20).
+  static constexpr bool kStreamK = kStreamK_;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   // setmaxnreg: the producer needs a few registers, the consumers all they can get, and the
@@ -115,6 +120,8 @@ struct FwdTraits {
     alignas(8) uint64_t q_full[kQBufs];   // item published and its Q loaded (producer's tx)
     alignas(8) uint64_t q_empty[kQBufs];  // every consumer thread done with the index and Q
     int item[kQBufs];                     // the item in the buffer, -1: none left
+    int2 piece[kQBufs];                   // stream-K: the item's key tiles [x, y) in this piece
+    int split_old[kConsumers];            // stream-K: the item's pieces finished before this
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
@@ -322,6 +329,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       };
       const int items = int(order.items());  // fits (launcher)
       int i = first_item();
+      int segment = 0;  // stream-K: this worker's next piece
       for (int published = 0;; ++published) {
         const int qb = published % Tr::kQBufs;
         uint64_t* q_full = &shared.q_full[qb];
@@ -329,8 +337,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // wait for it: with one Q buffer (hdim 256) the consumers wait for this load, and
         // decoding the item and partitioning its tensors took this thread 1300 cycles after
         // the wait (trace, fa3_notes.md, session 16).
+        int kb = 0, ke = 0;  // stream-K: the piece's key tiles
+        if constexpr (Tr::kStreamK) {
+          do {
+            i = sched.segment(int(blockIdx.x) / Tr::kClusterM, segment++, kb, ke);
+          } while (i < 0);
+        }
         const bool done = i >= items;
         Item it = item_at(done ? 0 : i);
+        if constexpr (Tr::kStreamK) {
+          it.tiles.begin = kb;
+          it.tiles.end = ke;
+        }
         // The empty asm keeps ptxas from sinking the decode below the wait, which it did (to
         // shorten the values' lives). Harness, H100, hdim 256: +0.3% 2k, +1% 1k, +2.6% causal
         // 512 (fa3_notes.md, session 17).
@@ -357,6 +375,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         compiler_fence();  // the wait (asm without a memory clobber) before the write
         shared.item[qb] = done ? -1 : i;
+        if constexpr (Tr::kStreamK) shared.piece[qb] = make_int2(it.tiles.begin, it.tiles.end);
         compiler_fence();
         if (done) {
           cutlass::arch::ClusterBarrier::arrive(q_full);
@@ -364,7 +383,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         if (it.tiles.empty()) {
           cutlass::arch::ClusterBarrier::arrive(q_full);
-          i = next_item(i);
+          if constexpr (!Tr::kStreamK) i = next_item(i);
           continue;
         }
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q_full, Tr::kTmaBytesQ);
@@ -390,7 +409,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // Claim the next item only now, about kStages key tiles before the consumers finish
         // this one: a CTA that claimed it when starting a long item held it back from CTAs that
         // freed up meanwhile (hdim 256 16k causal: 650 against 765 TFLOP/s for one CTA per item).
-        i = next_item(i);
+        if constexpr (!Tr::kStreamK) i = next_item(i);
       }
       // In a cluster, the other CTAs' consumers arrive on this CTA's empty barriers: wait for
       // the last of them before this CTA (and its shared memory) may go.
@@ -531,6 +550,81 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
   };
 
+  // Stream-K: after a piece's last P V, each consumer counts its piece among the item's (per
+  // consumer and CTA rank: their rows are their own); all but the last to count publish their
+  // O (unnormalised, fp32, in fragment order: the same thread of the last one reads its own
+  // elements) with the rows' max and sum, and the last merges them into its registers and
+  // writes the item. It waits only for pieces that have counted, so for no CTA that is not
+  // running. Returns whether this consumer writes the item's O.
+  auto merge_pieces = [&](int i, flash::fa2::Softmax<2>& softmax) {
+    if (i < sched.lattice) return true;  // a whole item
+    const int kt = sched.key_tiles, first_unit = (i - sched.lattice) * kt;
+    const int w_lo = sched.worker_of(first_unit), w_hi = sched.worker_of(first_unit + kt - 1);
+    if (w_lo == w_hi) return true;
+    const int worker = int(blockIdx.x) / Tr::kClusterM;
+    // A worker's first piece in its range is its slot 0, a second one (the item after) slot 1.
+    auto slot_of = [&](int w) {
+      const int slot = sched.range_begin(w) >= first_unit ? 0 : 1;
+      return ((2 * w + slot) * Tr::kClusterM + rank) * Tr::kConsumers + cw;
+    };
+    if (wg_tid == 0) {
+      shared.split_old[cw] =
+          atomicAdd(sched.split_count + (w_hi * Tr::kClusterM + rank) * Tr::kConsumers + cw, 1);
+    }
+    cutlass::arch::NamedBarrier::sync(128, kOwn + cw);
+    constexpr int kVecs = decltype(size(acc_o))::value / 4;
+    if (shared.split_old[cw] < w_hi - w_lo) {  // not the last: publish
+      const int slot = slot_of(worker);
+      float4* part = sched.split_part + int64_t(slot) * (kVecs + 1) * 128;
+      CUTE_UNROLL
+      for (int k = 0; k < kVecs; ++k) {
+        __stcg(part + k * 128 + wg_tid,
+               make_float4(acc_o(4 * k), acc_o(4 * k + 1), acc_o(4 * k + 2), acc_o(4 * k + 3)));
+      }
+      __stcg(part + kVecs * 128 + wg_tid, make_float4(softmax.row_max[0], softmax.row_max[1],
+                                                      softmax.row_sum[0], softmax.row_sum[1]));
+      __threadfence();
+      cutlass::arch::NamedBarrier::sync(128, kOwn + cw);
+      if (wg_tid == 0) atomicExch(sched.split_flag + slot, 1);
+      return false;
+    }
+    #pragma unroll 1
+    for (int w = w_lo; w <= w_hi; ++w) {
+      if (w == worker) continue;
+      const int slot = slot_of(w);
+      if (wg_tid == 0) {
+        while (atomicAdd(sched.split_flag + slot, 0) == 0) {
+        }
+        __threadfence();
+      }
+      cutlass::arch::NamedBarrier::sync(128, kOwn + cw);
+      const float4* part = sched.split_part + int64_t(slot) * (kVecs + 1) * 128;
+      const float4 ml = __ldcg(part + kVecs * 128 + wg_tid);
+      const float other_max[2] = {ml.x, ml.y}, other_sum[2] = {ml.z, ml.w};
+      float mine[2], theirs[2];
+      CUTE_UNROLL
+      for (int mi = 0; mi < 2; ++mi) {
+        const float m = fmaxf(softmax.row_max[mi], other_max[mi]);
+        mine[mi] = softmax.row_max[mi] == -INFINITY
+                       ? 0.f : exp2f((softmax.row_max[mi] - m) * p.softmax_scale_log2);
+        theirs[mi] = other_max[mi] == -INFINITY
+                         ? 0.f : exp2f((other_max[mi] - m) * p.softmax_scale_log2);
+        softmax.row_max[mi] = m;
+        softmax.row_sum[mi] = softmax.row_sum[mi] * mine[mi] + other_sum[mi] * theirs[mi];
+      }
+      // acc_o's fragment ((2 cols, 2 rows, n8), 1, 1): element k is in row (k / 2) % 2.
+      CUTE_UNROLL
+      for (int k = 0; k < kVecs; ++k) {
+        const float4 v = __ldcg(part + k * 128 + wg_tid);
+        acc_o(4 * k) = acc_o(4 * k) * mine[0] + v.x * theirs[0];
+        acc_o(4 * k + 1) = acc_o(4 * k + 1) * mine[0] + v.y * theirs[0];
+        acc_o(4 * k + 2) = acc_o(4 * k + 2) * mine[1] + v.z * theirs[1];
+        acc_o(4 * k + 3) = acc_o(4 * k + 3) * mine[1] + v.w * theirs[1];
+      }
+    }
+    return true;
+  };
+
   for (int taken = 0;; ++taken) {
     const int qb = taken % Tr::kQBufs;
     if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 0, clock64());
@@ -540,7 +634,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int i = shared.item[qb];
     if (i < 0) break;
     Tensor tSrQ = tSrQ_bufs(_, _, _, qb);
-    const Item it = item_at(i);
+    Item it = item_at(i);
+    if constexpr (Tr::kStreamK) {
+      const int2 piece = shared.piece[qb];
+      it.tiles.begin = piece.x;
+      it.tiles.end = piece.y;
+    }
     const int wg_row0 = it.row0 + 64 * cw;
     // The key tiles this consumer's 64 rows see, of the CTA's (which the producer loads for
     // all kBlockM rows): under a causal mask the CTA's top tiles may lie above these rows'
@@ -554,7 +653,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if constexpr (Tr::kSchedule != Schedule::kPingPong) {
       if (!tiles.empty()) {
         const flash::fa2::KeyTiles own = mask.key_tiles<64, kBlockN>(wg_row0);
-        const int end = wg_row0 >= p.seqlen_q || own.empty() ? tiles.begin : own.end;
+        const int end =
+            wg_row0 >= p.seqlen_q || own.empty() ? tiles.begin : min(own.end, tiles.end);
         // A skipped stage is still waited for before it is released: an arrival on its empty
         // barrier must follow its fill, or this consumer's next wait on the same full barrier
         // could see the skipped phase's parity and pass before its own fill.
@@ -569,6 +669,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         tiles.end = end;  // empty if end == begin, and then the unmasked range is not read
         tiles.unmasked_begin = own.unmasked_begin;
         tiles.unmasked_end = own.unmasked_end;
+        if constexpr (Tr::kStreamK) {
+          // A piece's unmasked tiles within it: the walk (fa2's walk_key_tiles) steps down to
+          // unmasked_begin without looking at begin.
+          tiles.unmasked_begin = max(tiles.unmasked_begin, tiles.begin);
+          tiles.unmasked_end = max(min(tiles.unmasked_end, tiles.end), tiles.unmasked_begin);
+        }
       }
     }
     // Q (and the item index) are done with once the item's last S GEMM has retired. With one
@@ -585,6 +691,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const flash::fa2::ScoreMod score_mod(p, batch, head);
 
     flash::fa2::Softmax<2> softmax;
+    bool output = true;  // stream-K: false where another piece of the item writes its O
     if (!tiles.empty()) {
       Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});
       Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
@@ -723,6 +830,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 3, clock64());
       if (wg_tid == 0 && cw == 0) FA3_MARK(taken, 17, tiles.end - tiles.begin);
       if (!kEarlyRelease) release_q();
+      if constexpr (Tr::kStreamK) output = merge_pieces(i, softmax);
     } else {
       release_q();  // only the index was read
       if (pending) store_o();
@@ -739,6 +847,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           cutlass::arch::NamedBarrier::sync(256, kVFree);
         }
       }
+    }
+
+    if (!output) {  // stream-K: the last piece to finish writes O; keep the staged O's turns
+      if constexpr (kStageO) {
+        if (cw == 1) cutlass::arch::NamedBarrier::sync(256, kVFree);
+        if (cw == 0) {
+          pipe_k.consumer_release(o_state);
+        } else {
+          pipe_v.consumer_release(o_state);
+        }
+      }
+      continue;
     }
 
     // ---- epilogue, first half: O /= l, in 16 bits, transposed within quads (store_o) ------

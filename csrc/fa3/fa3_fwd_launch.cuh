@@ -18,6 +18,12 @@
 
 namespace flash::fa3 {
 
+// Whether stream-K cuts the items past the lattice of `workers`: only where there are such
+// items and every worker's range holds two key tiles or more.
+inline bool stream_k_cuts(int64_t items, int64_t key_tiles, int64_t workers) {
+  return items % workers != 0 && (items % workers) * key_tiles >= 2 * workers;
+}
+
 template <class Tr>
 void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   using Element = typename Tr::Element;
@@ -84,7 +90,17 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   TileScheduler sched;
   sched.order = flash::fa2::tile_order(m_blocks, p.batch, p.heads, heads_per_kv,
                                        kv_bytes / heads_per_kv, p.l2_bytes, resident);
-  int64_t ctas = std::min(sched.order.items(), max_ctas > 0 ? max_ctas : resident);
+  // Stream-K runs more CTAs than items (fa3.h's stream_k_workers, or max_ctas).
+  int64_t max_items = sched.order.items();
+  if constexpr (Tr::kStreamK) {
+    static_assert(Tr::kHeadDim == StreamKTile::kHeadDim && Tr::kBlockN == StreamKTile::kBlockN &&
+                  Tr::kConsumers == StreamKTile::kConsumers, "fa3.h's StreamKTile sizes it");
+    max_items = max_ctas > 0 ? max_ctas : stream_k_workers(p);  // CTAs, or clusters
+    if (max_items == 0) {
+      throw std::runtime_error("flash_attn: fa3 forward: stream-K called where it does not run");
+    }
+  }
+  int64_t ctas = std::min(max_items, max_ctas > 0 ? max_ctas : resident);
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attr[1];
   if constexpr (Tr::kClusterM > 1) {
@@ -101,7 +117,7 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
     config.numAttrs = 1;
     int clusters = 0;
     FLASH_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
-    ctas = std::min(sched.order.items(), int64_t(max_ctas > 0 ? max_ctas : clusters)) *
+    ctas = std::min(max_items, int64_t(max_ctas > 0 ? max_ctas : clusters)) *
            Tr::kClusterM;
     config.gridDim = dim3(unsigned(ctas));
   }
@@ -118,7 +134,30 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
                              "fwd_workspace_bytes(params) of aligned scratch");
   }
   sched.counter = static_cast<unsigned*>(p.workspace);
-  FLASH_CHECK_CUDA(cudaMemsetAsync(sched.counter, 0, sizeof(*sched.counter), stream));
+  int64_t zero_bytes = sizeof(*sched.counter);
+  if constexpr (Tr::kStreamK) {
+    const int64_t key_tiles = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
+    const int64_t workers = ctas / Tr::kClusterM, items = sched.order.items();
+    if (p.causal || p.window_left >= 0 || p.window_right >= 0 || p.seqlen_k == 0) {
+      throw std::runtime_error("flash_attn: fa3 forward: stream-K is full attention only");
+    }
+    if (p.workspace_bytes < stream_k_bytes(ctas) ||
+        items % workers * key_tiles > INT_MAX) {
+      throw std::runtime_error("flash_attn: fa3 forward: stream-K needs stream_k_bytes() of "
+                               "workspace and fewer remainder units");
+    }
+    sched.key_tiles = int(key_tiles);
+    sched.workers = int(workers);
+    // Without cuts (stream_k_cuts) every item is a lattice item: the plain static stride.
+    sched.lattice = int(stream_k_cuts(items, key_tiles, workers) ? items / workers * workers
+                                                                 : items);
+    int* ints = static_cast<int*>(p.workspace);
+    sched.split_count = ints + 64;
+    sched.split_flag = sched.split_count + Tr::kConsumers * ctas;
+    sched.split_part = reinterpret_cast<float4*>(ints + stream_k_ints(ctas));
+    zero_bytes = stream_k_ints(ctas) * 4;
+  }
+  FLASH_CHECK_CUDA(cudaMemsetAsync(sched.counter, 0, zero_bytes, stream));
   if constexpr (Tr::kClusterM > 1) {
     FLASH_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, p, tma, sched));
   } else {
@@ -127,14 +166,21 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   FLASH_CHECK_LAUNCH();
 }
 
-template <typename T, int kHeadDim, typename Tile, bool kScoreMod, int kClusterM = 1>
+template <typename T, int kHeadDim, typename Tile, bool kScoreMod, int kClusterM = 1,
+          bool kStreamK = false>
 using TraitsOf = FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, kScoreMod, Tile::kSchedule,
-                           Tile::kConsumers, kClusterM>;
+                           Tile::kConsumers, kClusterM, kStreamK>;
 
 // FwdTile's wide or narrow tile (fa3_tiles.h) for this call.
 template <typename T, int kHeadDim, bool kScoreMod>
 void run_fwd_tile(const FwdParams& p, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
+  if constexpr (Tile::kStreamK && !kScoreMod) {
+    if (stream_k_workers(p) > 0) {
+      launch_fwd<TraitsOf<T, kHeadDim, Tile, kScoreMod, 1, true>>(p, stream);
+      return;
+    }
+  }
   if constexpr (Tile::kClusterM > 1 && !kScoreMod) {
     const int64_t items = (p.seqlen_q + 64 * Tile::kConsumers - 1) / (64 * Tile::kConsumers) *
                           p.batch * p.heads;

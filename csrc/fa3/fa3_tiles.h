@@ -42,6 +42,7 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include "fa3/fa3.h"
 #include "fa3/fa3_fwd_kernel.cuh"
 
 namespace flash::fa3 {
@@ -58,6 +59,15 @@ struct Tile {
   static constexpr int kWideGainPct = 0;
   static constexpr bool kWideScoreMod = true;
   static constexpr int kClusterM = 1;  // CTAs per cluster for full attention (below)
+  static constexpr bool kStreamK = false;  // a stream-K kernel (below)
+};
+
+// A tile with a stream-K kernel (one CTA per piece; fa3.h's StreamKTile and stream_k_workers
+// say where it runs) for full-attention calls with fewer items than SMs.
+template <typename Tile>
+struct WithStreamK : Tile {
+  static constexpr bool kStreamK = true;
+  static_assert(Tile::kBlockN == StreamKTile::kBlockN && Tile::kConsumers == StreamKTile::kConsumers);
 };
 
 // A tile whose full-attention calls (no causal mask, no window, no score mod) run in clusters
@@ -108,7 +118,8 @@ template <> struct FwdTile<128>
     : WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>, 108,
                  /*kWideScoreMod=*/false> {};
 template <> struct FwdTile<192> : Tile<112, 2, Schedule::kOverlap> {};
-template <> struct FwdTile<256> : WithCluster<Tile<80, 2, Schedule::kOverlap>, 2> {};
+template <> struct FwdTile<256> : WithStreamK<WithCluster<Tile<80, 2, Schedule::kOverlap>, 2>> {};
+static_assert(StreamKTile::kHeadDim == 256);
 
 // Whether a call with seqlen_q query rows is faster on Tile's narrow tile (Tile has one),
 // counting consumer warpgroups per (batch, head): a consumer whose 64 rows all lie past

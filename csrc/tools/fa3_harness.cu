@@ -10,7 +10,8 @@
 // (slow at 16k: seconds per call) and reports the result as unchecked.
 // Variants: FwdTile's tile with each schedule (on the launcher's persistent grid: a static
 // stride when unmasked, the dynamic scheduler when causal), FwdTile's own on a grid of one CTA
-// per tile; with -DFA3_TUNE also the candidate tiles listed at the end of main. With
+// per tile, in 2-CTA clusters, and at hdim 256 with stream-K (one CTA, clusters; FA3_SK_WORKERS
+// sets the workers); with -DFA3_TUNE also the candidate tiles listed at the end of main. With
 // -DFA3_TRACE each variant also reports where a consumer's item goes (fa3_trace.h's marks).
 #include <cuda_bf16.h>
 
@@ -29,9 +30,9 @@
 using Element = cutlass::bfloat16_t;
 constexpr int kD = FA3_HDIM;
 template <int kBlockN, int kStages, flash::fa3::Schedule kSchedule, int kConsumers,
-          int kClusterM = 1>
+          int kClusterM = 1, bool kStreamK = false>
 using Traits = flash::fa3::FwdTraits<__nv_bfloat16, kD, kBlockN, kStages, false, kSchedule,
-                                     kConsumers, kClusterM>;
+                                     kConsumers, kClusterM, kStreamK>;
 
 // One thread per (batch, head, query row): scores, softmax and O in fp32.
 __global__ void reference(const Element* q, const Element* k, const Element* v, float* o,
@@ -82,8 +83,9 @@ int main(int argc, char** argv) {
   cudaMalloc(&q, nq * 2); cudaMalloc(&k, nk * 2); cudaMalloc(&v, nk * 2); cudaMalloc(&o, nq * 2);
   cudaMalloc(&ref_o, nq * 4); cudaMalloc(&ref_lse, size_t(b) * h * sq * 4);
   cudaMalloc(&lse, size_t(b) * h * sq * 4);
-  void* workspace;  // the scheduler's counter, which causal calls use
-  cudaMalloc(&workspace, sizeof(unsigned));
+  void* workspace;  // the scheduler's counter, stream-K's pieces
+  const size_t workspace_bytes = size_t(64) << 20;
+  cudaMalloc(&workspace, workspace_bytes);
   cudaMemcpy(q, hq.data(), nq * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(k, hk_.data(), nk * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(v, hv.data(), nk * 2, cudaMemcpyHostToDevice);
@@ -100,7 +102,7 @@ int main(int argc, char** argv) {
   p.causal = causal != 0;
   p.window_left = -1; p.window_right = causal ? 0 : -1;
   p.workspace = workspace;
-  p.workspace_bytes = sizeof(unsigned);
+  p.workspace_bytes = int64_t(workspace_bytes);
 
   int device = 0;
   cudaGetDevice(&device);
@@ -246,10 +248,11 @@ int main(int argc, char** argv) {
   using flash::fa3::Schedule;
   const int only = argc > 7 ? atoi(argv[7]) : -1;
   int index = 0;
+// A cluster variant (CM > 1: full attention only) runs unasked only where the call is not causal.
 #define FA3_VARIANT_CLUSTER(N, S, SCHEDULE, C, CM)                                         \
-  if (only < 0 || only == index) {                                                        \
+  if ((only < 0 && (CM == 1 || !causal)) || only == index) {                              \
     run((std::to_string(N) + "x" + std::to_string(S) + " " #SCHEDULE " wg" +               \
-         std::to_string(C) + " cluster " + std::to_string(CM)).c_str(),                   \
+         std::to_string(C) + (CM > 1 ? " cluster " + std::to_string(CM) : "")).c_str(),   \
         [&] { flash::fa3::launch_fwd<Traits<N, S, Schedule::SCHEDULE, C, CM>>(p, 0); });   \
   }                                                                                       \
   ++index;
@@ -270,6 +273,24 @@ int main(int argc, char** argv) {
     run("own, 2-CTA cluster", [&] { flash::fa3::launch_fwd<Tr>(p, 0); });
   }
   ++index;
+#if FA3_HDIM == 256
+  // FwdTile's own with stream-K (fa3_scheduler.h; full only), one CTA and clusters of two, on
+  // FA3_SK_WORKERS workers (default: fa3.h's stream_k_workers, or one per SM where it says
+  // none).
+  const int64_t sk_workers = getenv("FA3_SK_WORKERS") ? atoll(getenv("FA3_SK_WORKERS"))
+                             : flash::fa3::stream_k_workers(p) > 0
+                                 ? flash::fa3::stream_k_workers(p) : int64_t(p.num_sms);
+  if ((only < 0 && !causal) || only == index) {
+    using Tr = Traits<Tile::kBlockN, Tile::kStages, Tile::kSchedule, Tile::kConsumers, 1, true>;
+    run("own, stream-K", [&] { flash::fa3::launch_fwd<Tr>(p, 0, sk_workers); });
+  }
+  ++index;
+  if ((only < 0 && !causal) || only == index) {
+    using Tr = Traits<Tile::kBlockN, Tile::kStages, Tile::kSchedule, Tile::kConsumers, 2, true>;
+    run("own, stream-K cluster", [&] { flash::fa3::launch_fwd<Tr>(p, 0, sk_workers / 2); });
+  }
+  ++index;
+#endif
 #ifdef FA3_TUNE
   // Candidates beside FwdTile's (wide) tile, its narrow tile first where it has one (fa3_tiles.h
   // states their limits and results).
@@ -290,7 +311,7 @@ int main(int argc, char** argv) {
   FA3_VARIANT(176, 2, kSerial, 2)
 #elif FA3_HDIM == 256
   FA3_VARIANT(64, 2, kOverlap, 2)
-  if (!causal) FA3_VARIANT_CLUSTER(64, 2, kOverlap, 2, 2)
+  FA3_VARIANT_CLUSTER(64, 2, kOverlap, 2, 2)
 #endif
 #endif
 #undef FA3_VARIANT
