@@ -22,11 +22,12 @@ struct StreamKTile {
   static constexpr int kHeadDim = 256, kBlockM = 128, kBlockN = 80, kConsumers = 2;
 };
 // The CTAs (workers) a call runs on with stream-K, 0 where it does not: where cutting the items
-// gives every item two CTAs or more, each with six key tiles or more (an item's last piece
-// merges the others one after another: 2 items x 63 key tiles ran in 33 us on 20 CTAs, 41 us
-// on 31). Harness, H100, hdim 256, bf16, 512 queries (fa3_notes.md, session 21): 32 items x
-// 52 key tiles 192 -> 333 TFLOP/s, 64 x 52 378 -> 451, 64 x 26 338 -> 367; 100 items (on
-// 132 SMs) lost 0.3-8%, 120 items 6-13%.
+// gives every item two CTAs or more, each with six key tiles or more, and no item more than
+// eight pieces (an item's last piece reads the others' fp32 O, 64 KB a consumer each, on one
+// SM: 8 items x 103 key tiles ran in 51 us on 66 CTAs, 56 us on 100, 61 us on 132). Harness,
+// H100, hdim 256, bf16, 512 queries (fa3_notes.md, session 21): 32 items x 52 key tiles 192 ->
+// 333 TFLOP/s, 64 x 52 378 -> 451, 64 x 26 338 -> 367; 100 items (on 132 SMs) lost 0.3-8%,
+// 120 items 6-13%.
 // FLASH_ATTN_FA3_STREAM_K=1 runs it on every call it can run (full attention at hdim 256, no
 // softcap / ALiBi), 0 never; unset, the rule above. Read at every call, for A/B runs and tests.
 inline int64_t stream_k_workers(const FwdParams& p) {
@@ -39,7 +40,8 @@ inline int64_t stream_k_workers(const FwdParams& p) {
                         p.heads * p.batch;
   const int64_t key_tiles = (int64_t(p.seqlen_k) + StreamKTile::kBlockN - 1) /
                             StreamKTile::kBlockN;
-  const int64_t workers = std::min<int64_t>(p.num_sms, items * key_tiles / 6);
+  const int64_t workers =
+      std::min<int64_t>(p.num_sms, std::min<int64_t>(items * key_tiles / 6, items * 8));
   const char* env = std::getenv("FLASH_ATTN_FA3_STREAM_K");
   if (env != nullptr && *env != '\0') {
     return std::atoi(env) != 0 && items > 0 ? std::max<int64_t>(workers, 1) : 0;
