@@ -34,7 +34,8 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
     for item in text.split(","):
         parts = item.split("x")
         if len(parts) != 4:
-            raise argparse.ArgumentTypeError(f"shape {item!r}: want batchxseqlen_qxseqlen_kxheads")
+            raise argparse.ArgumentTypeError(
+                f"shape {item!r}: want batchxseqlen_qxseqlen_kxheads")
         shapes.append(tuple(int(x) for x in parts))
     return shapes
 
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", type=parse_shapes, default=SHAPES,
                     help="batchxseqlen_qxseqlen_kxheads,... (default: decode, chunked prefill)")
-    ap.add_argument("--hdims", default="256")
+    ap.add_argument("--hdims", default="128,256")
     ap.add_argument("--backend", default="fa3")
     ap.add_argument("--switch", default="FLASH_ATTN_FA3_STREAM_K=0",
                     help="NAME=value for the second column of ours")
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
                ("sdpa_flash", C.BASELINE_FNS["sdpa_flash"], None)]
     round_args = argparse.Namespace(
         reps=0, warmup=args.warmup, rounds=1, target_ms=args.target_ms / args.rounds,
-        min_reps=max(1, args.min_reps // args.rounds), max_reps=max(1, args.max_reps // args.rounds))
+        min_reps=max(1, args.min_reps // args.rounds),
+        max_reps=max(1, args.max_reps // args.rounds))
     header = ["hdim", "batch", "seqlen_q", "seqlen_k", "heads",
               *[f"{c} TFLOP/s" for c, _, _ in columns], f"{args.backend} / cudnn",
               f"{args.backend} / {name}={value}"]
@@ -111,7 +113,8 @@ def main(argv=None) -> int:
                   for c, t in times.items()}
             fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
             ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
-            rows.append([str(d), str(b), str(sq), str(sk), str(h), *[fmt(tf[c]) for c, _, _ in columns],
+            rows.append([str(d), str(b), str(sq), str(sk), str(h),
+                         *[fmt(tf[c]) for c, _, _ in columns],
                          ratio(tf[args.backend], tf["cudnn"]),
                          ratio(tf[args.backend], tf[columns[1][0]])])
             records.append({"hdim": d, "batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads": h,
@@ -126,7 +129,8 @@ def main(argv=None) -> int:
         meta = C.metadata(device, fa, [args.backend], None)
         stem = C.output_stem("cross", meta, args.dtype, False, args.tag)
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / f"{stem}.md").write_text("\n".join(C.meta_lines(meta)) + "\n\n" + table + "\n")
+        lines = C.meta_lines(meta)
+        (args.out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n\n" + table + "\n")
         C.write_json({"meta": meta, "dtype": args.dtype, "switch": args.switch,
                       "results": records}, args.out_dir / f"{stem}.json")
     return 0

@@ -122,28 +122,32 @@ def test_cluster_rule(sq, sk, switch, dtype, monkeypatch):
     run_case(2, sq, sk, cluster_heads(sq, 2, 2), 2, 256, dtype)
 
 
-# Full attention at hdim 256 with fewer items than SMs runs stream-K (fa3.h, stream_k_workers):
+# Full attention at hdim 128 and 256 with few items runs stream-K (fa3.h, stream_k_workers):
 # the items cut into pieces of key tiles on more CTAs, each cut item's pieces merged by the one
 # that finishes last. FLASH_ATTN_FA3_STREAM_K=1 runs it on every full-attention call, so the
 # awkward shapes cover it (also the many-item ones, whose items past the static stride's
 # lattice are cut, and the tiny ones, where nothing is cut).
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("sq,sk", SEQLENS)
-def test_stream_k_seqlens(sq, sk, dtype, monkeypatch):
+def test_stream_k_seqlens(sq, sk, d, dtype, monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", "1")
-    run_case(2, sq, sk, 4, 2, 256, dtype)
+    run_case(2, sq, sk, 4, 2, d, dtype)
 
 
-# Shapes the rule sends to stream-K (unset) or not (0): a decode step (one query row: the second
-# consumer has no rows), GQA / MQA, a head dim the 256 kernel serves, an item in ~10 pieces
-# (2 items x 63 key tiles), keys that end inside a tile; and a decode step the rule leaves to
-# the plain kernel (12 items x 10 key tiles: pieces of fewer than six).
+# Shapes the rule sends to stream-K (unset) or not (0): decode steps (one query row: the second
+# consumer has no rows), GQA / MQA, head dims the 128 / 256 kernels serve, an item in eight
+# pieces (2 items x 63 key tiles), keys that end inside a tile; and a decode step the rule
+# leaves to the plain kernel (12 items x 10 key tiles: pieces of fewer than six).
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("switch", ["", "0"], ids=["auto", "off"])
 @pytest.mark.parametrize("b,sq,sk,h,hk,d", [(1, 1, 4096, 16, 4, 256), (1, 64, 5000, 2, 2, 256),
                                             (2, 200, 3000, 3, 1, 224), (1, 512, 4100, 8, 8, 256),
-                                            (3, 1, 777, 4, 2, 256)],
-                         ids=["decode-gqa", "2-items", "mqa-d224", "512x4100", "decode-777"])
+                                            (3, 1, 777, 4, 2, 256), (1, 1, 4096, 32, 8, 128),
+                                            (1, 128, 8192, 16, 16, 128),
+                                            (2, 200, 3000, 3, 1, 112)],
+                         ids=["decode-gqa", "2-items", "mqa-d224", "512x4100", "decode-777",
+                              "decode-gqa-d128", "128x8192-d128", "mqa-d112"])
 def test_stream_k_rule(b, sq, sk, h, hk, d, switch, dtype, monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", switch)
     run_case(b, sq, sk, h, hk, d, dtype)
@@ -340,9 +344,10 @@ def test_sanitize_small_fa3_cluster(dtype, monkeypatch):
     run_case(2, 300, 200, 4, 2, 256, dtype)
 
 
-# Stream-K on a small shape the rule picks: 2 items x 19 key tiles on 6 CTAs, three pieces an
-# item; 64 query rows, so the second consumer has none.
+# Stream-K on a small shape the rule picks: at hdim 256 2 items x 19 key tiles on 6 CTAs, three
+# pieces an item; at hdim 128 2 x 12 on 4; 64 query rows, so the second consumer has none.
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sanitize_small_fa3_stream_k(dtype, monkeypatch):
+@pytest.mark.parametrize("d", [128, 256])
+def test_sanitize_small_fa3_stream_k(d, dtype, monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_FA3_STREAM_K", raising=False)
-    run_case(1, 64, 1500, 2, 1, 256, dtype)
+    run_case(1, 64, 1500, 2, 1, d, dtype)

@@ -395,7 +395,7 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     workspace = alloc_workspace(
         p, flash::fa1::fwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kernel.hdim), q);
   } else if (family == "fa3") {
-    workspace = alloc_workspace(p, flash::fa3::fwd_workspace_bytes(p), q);
+    workspace = alloc_workspace(p, flash::fa3::fwd_workspace_bytes(p, kernel.hdim), q);
   }
   kernel.fwd(p, c10::cuda::getCurrentCUDAStream().stream());
 }

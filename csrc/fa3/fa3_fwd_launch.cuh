@@ -90,12 +90,14 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
   TileScheduler sched;
   sched.order = flash::fa2::tile_order(m_blocks, p.batch, p.heads, heads_per_kv,
                                        kv_bytes / heads_per_kv, p.l2_bytes, resident);
-  // Stream-K runs more CTAs than items (fa3.h's stream_k_workers, or max_ctas).
+  // Stream-K's grid: fa3.h's stream_k_workers (or max_ctas), more CTAs than items where it pays.
   int64_t max_items = sched.order.items();
   if constexpr (Tr::kStreamK) {
-    static_assert(Tr::kHeadDim == StreamKTile::kHeadDim && Tr::kBlockN == StreamKTile::kBlockN &&
-                  Tr::kConsumers == StreamKTile::kConsumers, "fa3.h's StreamKTile sizes it");
-    max_items = max_ctas > 0 ? max_ctas : stream_k_workers(p);  // CTAs, or clusters
+    static_assert(stream_k_tile(Tr::kHeadDim).block_n == Tr::kBlockN &&
+                  stream_k_tile(Tr::kHeadDim).block_m == Tr::kBlockM &&
+                  stream_k_tile(Tr::kHeadDim).consumers == Tr::kConsumers,
+                  "fa3.h's stream_k_tile sizes its grid and workspace");
+    max_items = max_ctas > 0 ? max_ctas : stream_k_workers(p, Tr::kHeadDim);  // or clusters
     if (max_items == 0) {
       throw std::runtime_error("flash_attn: fa3 forward: stream-K called where it does not run");
     }
@@ -128,10 +130,10 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
     throw std::runtime_error("flash_attn: fa3 forward: more than 2^31 - 1 (query tile, head, "
                              "batch) items plus CTAs");
   }
-  if (p.workspace == nullptr || p.workspace_bytes < fwd_workspace_bytes(p) ||
+  if (p.workspace == nullptr || p.workspace_bytes < fwd_workspace_bytes(p, Tr::kHeadDim) ||
       reinterpret_cast<uintptr_t>(p.workspace) % alignof(unsigned) != 0) {
     throw std::runtime_error("flash_attn: fa3 forward: params.workspace needs "
-                             "fwd_workspace_bytes(params) of aligned scratch");
+                             "fwd_workspace_bytes(params, kHeadDim) of aligned scratch");
   }
   sched.counter = static_cast<unsigned*>(p.workspace);
   int64_t zero_bytes = sizeof(*sched.counter);
@@ -141,7 +143,7 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
     if (p.causal || p.window_left >= 0 || p.window_right >= 0 || p.seqlen_k == 0) {
       throw std::runtime_error("flash_attn: fa3 forward: stream-K is full attention only");
     }
-    if (p.workspace_bytes < stream_k_bytes(ctas) ||
+    if (p.workspace_bytes < stream_k_bytes(ctas, stream_k_tile(Tr::kHeadDim)) ||
         items % workers * key_tiles > INT_MAX) {
       throw std::runtime_error("flash_attn: fa3 forward: stream-K needs stream_k_bytes() of "
                                "workspace and fewer remainder units");
@@ -154,8 +156,9 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream, int64_t max_ctas = 0) {
     int* ints = static_cast<int*>(p.workspace);
     sched.split_count = ints + 64;
     sched.split_flag = sched.split_count + Tr::kConsumers * ctas;
-    sched.split_part = reinterpret_cast<float4*>(ints + stream_k_ints(ctas));
-    zero_bytes = stream_k_ints(ctas) * 4;
+    const int64_t int_count = stream_k_ints(ctas, stream_k_tile(Tr::kHeadDim));
+    sched.split_part = reinterpret_cast<float4*>(ints + int_count);
+    zero_bytes = int_count * 4;
   }
   FLASH_CHECK_CUDA(cudaMemsetAsync(sched.counter, 0, zero_bytes, stream));
   if constexpr (Tr::kClusterM > 1) {
@@ -175,9 +178,9 @@ using TraitsOf = FwdTraits<T, kHeadDim, Tile::kBlockN, Tile::kStages, kScoreMod,
 template <typename T, int kHeadDim, bool kScoreMod>
 void run_fwd_tile(const FwdParams& p, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
-  if constexpr (Tile::kStreamK && !kScoreMod) {
-    if (stream_k_workers(p) > 0) {
-      launch_fwd<TraitsOf<T, kHeadDim, Tile, kScoreMod, 1, true>>(p, stream);
+  if constexpr (!std::is_void_v<typename Tile::StreamK> && !kScoreMod) {
+    if (stream_k_workers(p, kHeadDim) > 0) {
+      launch_fwd<TraitsOf<T, kHeadDim, typename Tile::StreamK, kScoreMod, 1, true>>(p, stream);
       return;
     }
   }

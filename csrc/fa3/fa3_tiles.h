@@ -42,7 +42,6 @@
 #include <cstdlib>
 #include <type_traits>
 
-#include "fa3/fa3.h"
 #include "fa3/fa3_fwd_kernel.cuh"
 
 namespace flash::fa3 {
@@ -59,15 +58,15 @@ struct Tile {
   static constexpr int kWideGainPct = 0;
   static constexpr bool kWideScoreMod = true;
   static constexpr int kClusterM = 1;  // CTAs per cluster for full attention (below)
-  static constexpr bool kStreamK = false;  // a stream-K kernel (below)
+  using StreamK = void;  // no stream-K kernel (below)
 };
 
-// A tile with a stream-K kernel (one CTA per piece; fa3.h's StreamKTile and stream_k_workers
-// say where it runs) for full-attention calls with fewer items than SMs.
-template <typename Tile>
+// A head dim's tiles with a stream-K kernel on tile SplitTile (one CTA, no cluster), for
+// full-attention calls with few items: fa3.h's stream_k_tile states its sizes (the launcher
+// checks them) and stream_k_workers where it runs.
+template <typename Tile, typename SplitTile>
 struct WithStreamK : Tile {
-  static constexpr bool kStreamK = true;
-  static_assert(Tile::kBlockN == StreamKTile::kBlockN && Tile::kConsumers == StreamKTile::kConsumers);
+  using StreamK = SplitTile;
 };
 
 // A tile whose full-attention calls (no causal mask, no window, no score mod) run in clusters
@@ -115,11 +114,13 @@ template <> struct FwdTile<64>
 template <> struct FwdTile<96>
     : WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>, 110> {};
 template <> struct FwdTile<128>
-    : WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>, 108,
-                 /*kWideScoreMod=*/false> {};
+    : WithStreamK<WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>,
+                             108, /*kWideScoreMod=*/false>,
+                  Tile<128, 2, Schedule::kSerial>> {};
 template <> struct FwdTile<192> : Tile<112, 2, Schedule::kOverlap> {};
-template <> struct FwdTile<256> : WithStreamK<WithCluster<Tile<80, 2, Schedule::kOverlap>, 2>> {};
-static_assert(StreamKTile::kHeadDim == 256);
+template <> struct FwdTile<256>
+    : WithStreamK<WithCluster<Tile<80, 2, Schedule::kOverlap>, 2>,
+                  Tile<80, 2, Schedule::kOverlap>> {};
 
 // Whether a call with seqlen_q query rows is faster on Tile's narrow tile (Tile has one),
 // counting consumer warpgroups per (batch, head): a consumer whose 64 rows all lie past

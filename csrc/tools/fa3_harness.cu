@@ -273,23 +273,26 @@ int main(int argc, char** argv) {
     run("own, 2-CTA cluster", [&] { flash::fa3::launch_fwd<Tr>(p, 0); });
   }
   ++index;
-#if FA3_HDIM == 256
-  // FwdTile's own with stream-K (fa3_scheduler.h; full only), one CTA and clusters of two, on
-  // FA3_SK_WORKERS workers (default: fa3.h's stream_k_workers, or one per SM where it says
-  // none).
+#if FA3_HDIM == 256 || FA3_HDIM == 128
+  // FwdTile's stream-K kernel (fa3_scheduler.h; full only) on FA3_SK_WORKERS workers (default:
+  // fa3.h's stream_k_workers, or one per SM where it says none); at hdim 256 also in clusters
+  // of two (not dispatched: it spills).
+  using SK = Tile::StreamK;
+  const int64_t sk_rule = flash::fa3::stream_k_workers(p, kD);
   const int64_t sk_workers = getenv("FA3_SK_WORKERS") ? atoll(getenv("FA3_SK_WORKERS"))
-                             : flash::fa3::stream_k_workers(p) > 0
-                                 ? flash::fa3::stream_k_workers(p) : int64_t(p.num_sms);
+                             : sk_rule > 0 ? sk_rule : int64_t(p.num_sms);
   if ((only < 0 && !causal) || only == index) {
-    using Tr = Traits<Tile::kBlockN, Tile::kStages, Tile::kSchedule, Tile::kConsumers, 1, true>;
+    using Tr = Traits<SK::kBlockN, SK::kStages, SK::kSchedule, SK::kConsumers, 1, true>;
     run("own, stream-K", [&] { flash::fa3::launch_fwd<Tr>(p, 0, sk_workers); });
   }
   ++index;
+#if FA3_HDIM == 256
   if ((only < 0 && !causal) || only == index) {
-    using Tr = Traits<Tile::kBlockN, Tile::kStages, Tile::kSchedule, Tile::kConsumers, 2, true>;
+    using Tr = Traits<SK::kBlockN, SK::kStages, SK::kSchedule, SK::kConsumers, 2, true>;
     run("own, stream-K cluster", [&] { flash::fa3::launch_fwd<Tr>(p, 0, sk_workers / 2); });
   }
   ++index;
+#endif
 #endif
 #ifdef FA3_TUNE
   // Candidates beside FwdTile's (wide) tile, its narrow tile first where it has one (fa3_tiles.h
