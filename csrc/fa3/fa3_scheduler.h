@@ -34,8 +34,11 @@ struct TileScheduler {
   // (item, key tile) [range_begin(w), range_begin(w + 1)), part of at most two items, the
   // first before its lattice items and the second after. So every worker runs the same number
   // of key tiles to within one, and the workers' item ends are spread by the first piece's
-  // length instead of falling in lock step (fa3_notes.md, session 21). A cut item's pieces
-  // are merged by the last to finish (fa3_fwd_kernel.cuh), through the workspace below.
+  // length instead of falling in lock step. A cut item's pieces are merged by the last to
+  // finish (fa3_fwd_kernel.cuh), through the workspace below. Measured (fa3_notes.md, session
+  // 21): it pays where the items are fewer than the SMs (fa3.h's rule: up to 3.8x); on the
+  // benchmark's many items it lost 0.5% to the dynamic scheduler (the merges and the pieces'
+  // stores cost what the spread saves).
   int key_tiles = 0, workers = 1, lattice = 0;
   int* split_count = nullptr;   // per (the item's last worker, CTA rank, consumer): pieces done
   int* split_flag = nullptr;    // per published piece: its O, max and sum are in split_part
