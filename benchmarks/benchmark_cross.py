@@ -7,7 +7,9 @@ FLASH_ATTN_FA3_STREAM_K=0, the FA3 forward without stream-K), SDPA's cuDNN and f
     python3 benchmarks/benchmark_cross.py --out-dir benchmarks/results --tag fa3sk
 
 Timing as benchmark_attn.py's (its time_cell: CUDA events, fresh inputs past 2x L2, rounds that
-alternate between the columns, the median); FLOPs 4 * batch * heads * seqlen_q * seqlen_k * hdim.
+alternate between the columns, the median); FLOPs 4 * batch * heads * hdim * the (query, key)
+pairs computed: seqlen_q * seqlen_k, or under --causal (bottom-right aligned, as the API) the
+pairs on or below the diagonal.
 """
 
 import argparse
@@ -40,6 +42,14 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
     return shapes
 
 
+def attended_pairs(sq: int, sk: int, causal: bool) -> int:
+    """(query, key) pairs a call computes: query i sees keys j <= i + sk - sq under a causal
+    mask (bottom-right aligned)."""
+    if not causal:
+        return sq * sk
+    return sum(max(0, min(sk, i + sk - sq + 1)) for i in range(sq))
+
+
 def make_inputs(b, sq, sk, h, d, dtype, device) -> list[B.Inputs]:
     set_bytes = (2 * b * sq + 2 * b * sk) * h * d * torch.finfo(dtype).bits // 8
     n = B.n_input_sets(set_bytes, device)
@@ -58,6 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="fa3")
     ap.add_argument("--switch", default="FLASH_ATTN_FA3_STREAM_K=0",
                     help="NAME=value for the second column of ours")
+    ap.add_argument("--causal", action="store_true", help="causal mask (bottom-right)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(C.DTYPES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--target-ms", type=float, default=150.0)
@@ -90,7 +101,7 @@ def main(argv=None) -> int:
     for d in C.parse_int_list(args.hdims):
         for b, sq, sk, h in args.shapes:
             sets = make_inputs(b, sq, sk, h, d, dtype, device)
-            flops = 4 * b * h * sq * sk * d
+            flops = 4 * b * h * d * attended_pairs(sq, sk, args.causal)
             times = {c: [] for c, _, _ in columns}
             errors = {}
             for _ in range(args.rounds):
@@ -100,7 +111,8 @@ def main(argv=None) -> int:
                     if env is not None:
                         os.environ[name] = env
                     try:
-                        times[label] += B.time_cell(fn, sets, False, "fwd", round_args, device)
+                        times[label] += B.time_cell(fn, sets, args.causal, "fwd", round_args,
+                                                    device)
                     except Exception as e:  # a baseline that does not take the shape
                         errors[label] = C.describe_error(e)
                     finally:
@@ -127,11 +139,13 @@ def main(argv=None) -> int:
     print(table)
     if args.out_dir is not None:
         meta = C.metadata(device, fa, [args.backend], None)
-        stem = C.output_stem("cross", meta, args.dtype, False, args.tag)
+        tag = "_".join(t for t in ("causal" if args.causal else "", args.tag or "") if t)
+        stem = C.output_stem("cross", meta, args.dtype, False, tag or None)
         args.out_dir.mkdir(parents=True, exist_ok=True)
         lines = C.meta_lines(meta)
         (args.out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n\n" + table + "\n")
         C.write_json({"meta": meta, "dtype": args.dtype, "switch": args.switch,
+                      "causal": args.causal,
                       "results": records}, args.out_dir / f"{stem}.json")
     return 0
 

@@ -32,11 +32,17 @@ pytestmark = requires_backend("fa3")
 BACKEND = "fa3"
 DTYPES = dtype_params()
 CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
+# FLASH_ATTN_FA3_NARROW: unset (the automatic choice of tile) or 0 (the wide tile unless it pads
+# more; fa3_tiles.h, narrow_pays).
+TILE_RULES = [pytest.param("", id="auto"), pytest.param("0", id="wide")]
 
 # Around the tiles (fa3_tiles.h): hdim 64-128 run 192 query rows per CTA, or 128 where 192
-# would leave a lone busy consumer warpgroup (narrow_pays: here 193, 239 and 256; the rest
-# wide, with one or two consumers idle in the last tile: 1, 113, 128, 129, 1023); 128 rows at
-# hdim 192 / 256. kBlockN 128 (hdim 64-128), 112 (192), 80 (256).
+# would leave a lone busy consumer warpgroup (narrow_pads_less: here 193, 239 and 256; the rest
+# wide, with one or two consumers idle in the last tile: 1, 113, 128, 129, 1023) or where the
+# 128-row items are few enough to fill the GPU (narrow_fills: every shape below at 2 x 4 heads,
+# full attention, or causal with seqlen_k <= 2k); 128 rows at hdim 192 / 256. kBlockN 128
+# (hdim 64-128), 112 (192), 80 (256). FLASH_ATTN_FA3_NARROW=0 keeps only the padding rule, so
+# the "wide" cases run the three-consumer tile on these small shapes.
 SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (129, 80), (239, 1), (256, 512),
            (191, 385), (193, 383), (384, 129), (799, 3), (1023, 1024), (2048, 2048)]
 # Head dims besides 64 / 128: padded by the frontend to a multiple of 8 and run by the kernel
@@ -76,9 +82,11 @@ def run_case(b, sq, sk, h, hk, d, dtype, spec=None):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("tiles", TILE_RULES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq,sk", SEQLENS)
-def test_seqlens(sq, sk, d, causal, dtype):
+def test_seqlens(sq, sk, d, tiles, causal, dtype, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_FA3_NARROW", tiles)
     run_case(2, sq, sk, 4, 4, d, dtype, dict(causal=causal))
 
 
@@ -87,8 +95,11 @@ def test_seqlens(sq, sk, d, causal, dtype):
 @pytest.mark.parametrize("sq,sk,h,hk", [(113, 203, 4, 4), (239, 1, 7, 1), (1023, 1024, 6, 2),
                                         (300, 700, 3, 3)],
                          ids=["113x203-mha", "239x1-mqa7-1", "1023x1024-gqa6-2", "300x700-mha"])
-@pytest.mark.parametrize("d", OTHER_HEAD_DIMS)
-def test_head_dims(d, sq, sk, h, hk, causal, dtype):
+@pytest.mark.parametrize("d,tiles", [pytest.param(d, t.values[0], id=f"{d}-{t.id}")
+                                     for d in OTHER_HEAD_DIMS
+                                     for t in (TILE_RULES if d <= 128 else TILE_RULES[:1])])
+def test_head_dims(d, tiles, sq, sk, h, hk, causal, dtype, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_FA3_NARROW", tiles)
     run_case(2, sq, sk, h, hk, d, dtype, dict(causal=causal))
 
 
@@ -323,15 +334,19 @@ def test_forced_fa3_with_dropout_is_an_error():
     pytest.param(2, 33, 300, 4, 2, 256, dict(window_size=(16, 8)), id="window-d256"),
     pytest.param(1, 130, 70, 3, 3, 192, dict(causal=True, window_size=(9, -1), alibi="per-head"),
                  id="local-sq>sk-d192"),
-    # The wide (three-consumer) tiles: the cases above all run the narrow ones.
+    # The wide (three-consumer) tiles (FLASH_ATTN_FA3_NARROW=0 below: small shapes run the
+    # narrow ones, whose items fill the GPU).
     pytest.param(1, 191, 385, 4, 2, 64, dict(causal=True), id="wide-causal-gqa-d64"),
     pytest.param(1, 384, 129, 2, 2, 96, dict(softcap=5.0), id="wide-softcap-d96"),
     pytest.param(1, 300, 200, 3, 3, 128, dict(causal=True), id="wide-causal-sq>sk-d128"),
+    pytest.param(1, 1000, 700, 2, 2, 128, {}, id="wide-full-d128"),
     # hdim 256: O staged in the last K / V stage; rows without keys; the consumers' warps decide
     # the O rescale apart (synccheck flagged the wait while it sat in the rescale's branch).
     pytest.param(1, 1000, 300, 2, 1, 256, dict(causal=True), id="causal-sq>sk-d256"),
 ])
-def test_sanitize_small_fa3(b, sq, sk, h, hk, d, spec, dtype):
+def test_sanitize_small_fa3(b, sq, sk, h, hk, d, spec, dtype, request, monkeypatch):
+    wide = request.node.callspec.id.startswith("wide-")
+    monkeypatch.setenv("FLASH_ATTN_FA3_NARROW", "0" if wide else "")
     run_case(b, sq, sk, h, hk, d, dtype, spec)
 
 

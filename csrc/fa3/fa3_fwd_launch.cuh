@@ -198,7 +198,7 @@ void run_fwd_tile(const FwdParams& p, cudaStream_t stream) {
     using Narrow = TraitsOf<T, kHeadDim, typename Tile::Narrow, kScoreMod>;
     if constexpr (kScoreMod && !Tile::kWideScoreMod) {
       launch_fwd<Narrow>(p, stream);
-    } else if (narrow_pays<Tile>(p.seqlen_q)) {
+    } else if (narrow_pays<Tile>(p)) {
       launch_fwd<Narrow>(p, stream);
     } else {
       launch_fwd<TraitsOf<T, kHeadDim, Tile, kScoreMod>>(p, stream);

@@ -19,7 +19,8 @@
 //   4k / 16k, causal +13% at 16k; hdim 128 full +9% (2k) / +11% (4k) / +4.5% (16k), causal
 //   +4% (2k) / +8.5% (16k) (session 13). Where 192 rows pad the query length much more than 128 do
 //   (256 x 8k: -18..-22% before idle consumers skipped their GEMMs, session 15), the call runs
-//   the two-consumer tile instead (Narrow; narrow_pays below).
+//   the two-consumer tile instead (Narrow; narrow_pays below), and so do calls whose narrow
+//   items fill the GPU where the wide ones leave SMs idle (up to 2 x SMs of them).
 //   hdim 64, three consumers: 160 serial -2..+4% at 4k / 16k but -11% at 1k, overlap -26%;
 //   192 spills in 160 registers. Three K / V stages, the only wide tile with room for them
 //   (144 KB): the same as two from 2k, +5% / +2% at causal 512 / 1k, where items have 3-5 key
@@ -131,7 +132,7 @@ template <> struct FwdTile<256>
 // H100, session 15: +1.4 / +4.6% full, +1.6 / +8.4% causal), where, before consumers skipped,
 // they went narrow.
 template <typename Tile>
-bool narrow_pays(int64_t seqlen_q) {
+bool narrow_pads_less(int64_t seqlen_q) {
   static_assert(!std::is_void_v<typename Tile::Narrow>);
   auto consumers = [&](int64_t per_tile) {
     const int64_t rows = 64 * per_tile, rest = (seqlen_q % rows + 63) / 64;
@@ -139,6 +140,36 @@ bool narrow_pays(int64_t seqlen_q) {
   };
   return consumers(Tile::Narrow::kConsumers) * Tile::kWideGainPct <
          consumers(Tile::kConsumers) * 100;
+}
+
+// Whether the narrow tile's (query tile, head, batch) items fill the GPU where the wide tile's
+// leave SMs idle: at most two narrow items per SM. Harness, bf16, wide / narrow TFLOP/s
+// (fa3_notes.md, session 21; H200 at hdim 64 / 128, H100 at 96): full attention, every one of
+// 30 shapes fits the rule: up to 2 x SMs narrow items the narrow tile wins by 3-26% (hdim 128
+// 1 x 2k x 8 heads 422 / 518, 1 x 4k x 8 493 / 610, 2 x 1k x 16 402 / 486), above it loses
+// by 4-10% (1 x 4k x 16 657 / 623, 1 x 2k x 32 615 / 588). Causal: the same while seqlen_k
+// <= 2k (hdim 128 1 x 2k x 8 228 / 257, 2 x 1k x 16 295 / 335; hdim 96 +2.6..+13%), except
+// hdim 64 1 x 2k x 16 (265 / 259); at 4k the wide tile wins with the same items (452 / 415).
+// Windows (not measured) keep the padding rule.
+inline bool narrow_fills(const FwdParams& p, int64_t narrow_items) {
+  const bool full = !p.causal && p.window_left < 0 && p.window_right < 0;
+  const bool causal = p.causal && p.window_left < 0;
+  return narrow_items <= 2 * int64_t(p.num_sms) && (full || (causal && p.seqlen_k <= 2048));
+}
+
+// The choice between Tile's wide and narrow tiles: narrow where it pads the query length less
+// or where its items fill the GPU. FLASH_ATTN_FA3_NARROW=1 runs the narrow tile on every call of
+// a head dim that has one, 0 only where the wide tile pads more (the tests use it to keep the
+// wide tile covered on small shapes); read at every call.
+template <typename Tile>
+bool narrow_pays(const FwdParams& p) {
+  const char* env = std::getenv("FLASH_ATTN_FA3_NARROW");
+  const bool forced = env != nullptr && *env != '\0';
+  if (forced && std::atoi(env) != 0) return true;
+  if (narrow_pads_less<Tile>(p.seqlen_q)) return true;
+  if (forced) return false;
+  const int64_t rows = 64 * Tile::Narrow::kConsumers;
+  return narrow_fills(p, (p.seqlen_q + rows - 1) / rows * p.heads * p.batch);
 }
 
 }  // namespace flash::fa3
