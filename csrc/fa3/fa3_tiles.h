@@ -111,9 +111,13 @@ struct WithNarrow : Wide {
 // 256 128+40+20. Shared memory (wide, Q double-buffered up to hdim 128): 144 (three stages),
 // 168, 224, 216, 224 KB.
 template <> struct FwdTile<64>
-    : WithNarrow<Tile<128, 3, Schedule::kSerial, 3>, Tile<192, 2, Schedule::kSerial>, 115> {};
+    : WithStreamK<WithNarrow<Tile<128, 3, Schedule::kSerial, 3>, Tile<192, 2, Schedule::kSerial>,
+                             115>,
+                  Tile<192, 2, Schedule::kSerial>> {};
 template <> struct FwdTile<96>
-    : WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>, 110> {};
+    : WithStreamK<WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>,
+                             110>,
+                  Tile<128, 2, Schedule::kSerial>> {};
 template <> struct FwdTile<128>
     : WithStreamK<WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>,
                              108, /*kWideScoreMod=*/false>,
