@@ -306,6 +306,7 @@ def test_packed_and_strided_inputs(dtype):
 def test_default_on_sm90_is_fa3():
     if _dispatch.device_arch(DEVICE) != 90:
         pytest.skip("the automatic choice of fa3 is for sm90")
+    skip_unless_built(torch.bfloat16, 128)
     q, k, v = qkv(1, 64, 64, 2, 2, 128, torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", _dispatch.BackendFallbackWarning)

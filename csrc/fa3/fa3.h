@@ -34,7 +34,10 @@ constexpr StreamKTile stream_k_tile(int kernel_hdim) {
 // 64 KB a consumer each at hdim 256, on one SM: 8 items x 103 key tiles ran in 51 us on 66
 // CTAs, 56 us on 100, 61 us on 132). Harness, H100, hdim 256, bf16, 512 queries (fa3_notes.md,
 // session 21): 32 items x 52 key tiles 192 -> 333 TFLOP/s, 64 x 52 378 -> 451, 64 x 26 338 ->
-// 367; 100 items (on 132 SMs) lost 0.3-8%, 120 items 6-13%.
+// 367; 100 items (on 132 SMs) lost 0.3-8%, 120 items 6-13%. The same rule at hdim 64 / 96 (their
+// narrow tiles, session 22, H200, bf16, TFLOP/s): 128 x 8192 x 8 heads 26 -> 76 / 33 -> 123,
+// 1024 x 8192 x 8 205 -> 337 / 262 -> 424; 1024 x 1024 x 8 (the rule says no, forced) 122 ->
+// 107 / 185 -> 159.
 // FLASH_ATTN_FA3_STREAM_K=1 runs it on every call it can run (full attention, no softcap /
 // ALiBi, a kernel that has it), 0 never; unset, the rule above. Read at every call, for A/B
 // runs and tests.
