@@ -133,13 +133,13 @@ def test_cluster_rule(sq, sk, switch, dtype, monkeypatch):
     run_case(2, sq, sk, cluster_heads(sq, 2, 2), 2, 256, dtype)
 
 
-# Full attention at hdim 64, 96, 128 and 256 with few items runs stream-K (fa3.h, stream_k_workers):
+# Full attention with few items runs stream-K (fa3.h, stream_k_workers; every head dim's kernel):
 # the items cut into pieces of key tiles on more CTAs, each cut item's pieces merged by the one
 # that finishes last. FLASH_ATTN_FA3_STREAM_K=1 runs it on every full-attention call, so the
 # awkward shapes cover it (also the many-item ones, whose items past the static stride's
 # lattice are cut, and the tiny ones, where nothing is cut).
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("sq,sk", SEQLENS)
 def test_stream_k_seqlens(sq, sk, d, dtype, monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", "1")
@@ -157,10 +157,11 @@ def test_stream_k_seqlens(sq, sk, d, dtype, monkeypatch):
                                             (3, 1, 777, 4, 2, 256), (1, 1, 4096, 32, 8, 128),
                                             (1, 128, 8192, 16, 16, 128),
                                             (2, 200, 3000, 3, 1, 112), (1, 1, 4096, 16, 4, 64),
-                                            (1, 200, 5000, 3, 1, 40), (1, 1, 3000, 8, 8, 96)],
+                                            (1, 200, 5000, 3, 1, 40), (1, 1, 3000, 8, 8, 96),
+                                            (1, 1, 4096, 16, 4, 192), (1, 300, 6000, 2, 2, 160)],
                          ids=["decode-gqa", "2-items", "mqa-d224", "512x4100", "decode-777",
                               "decode-gqa-d128", "128x8192-d128", "mqa-d112", "decode-gqa-d64",
-                              "mqa-d40", "decode-d96"])
+                              "mqa-d40", "decode-d96", "decode-gqa-d192", "300x6000-d160"])
 def test_stream_k_rule(b, sq, sk, h, hk, d, switch, dtype, monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", switch)
     run_case(b, sq, sk, h, hk, d, dtype)
@@ -363,10 +364,10 @@ def test_sanitize_small_fa3_cluster(dtype, monkeypatch):
 
 
 # Stream-K on a small shape the rule picks: at hdim 256 2 items x 19 key tiles on 6 CTAs, three
-# pieces an item; at hdim 128 2 x 12 on 4; at hdim 64 (3000 keys) 2 x 16 on 5; 64 query rows,
-# so the second consumer has none.
+# pieces an item; at hdim 192 2 x 14 on 4; at hdim 128 2 x 12 on 4; at hdim 64 (3000 keys) 2 x
+# 16 on 5; 64 query rows, so the second consumer has none.
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_sanitize_small_fa3_stream_k(d, dtype, monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_FA3_STREAM_K", raising=False)
     run_case(1, 64, 3000 if d == 64 else 1500, 2, 1, d, dtype)

@@ -23,6 +23,7 @@ struct StreamKTile {
 };
 constexpr StreamKTile stream_k_tile(int kernel_hdim) {
   return kernel_hdim == 256 ? StreamKTile{256, 128, 80, 2}
+         : kernel_hdim == 192 ? StreamKTile{192, 128, 112, 2}
          : kernel_hdim == 128 ? StreamKTile{128, 128, 128, 2}
          : kernel_hdim == 96  ? StreamKTile{96, 128, 128, 2}
          : kernel_hdim == 64  ? StreamKTile{64, 128, 192, 2}

@@ -122,7 +122,8 @@ template <> struct FwdTile<128>
     : WithStreamK<WithNarrow<Tile<128, 2, Schedule::kSerial, 3>, Tile<128, 2, Schedule::kSerial>,
                              108, /*kWideScoreMod=*/false>,
                   Tile<128, 2, Schedule::kSerial>> {};
-template <> struct FwdTile<192> : Tile<112, 2, Schedule::kOverlap> {};
+template <> struct FwdTile<192>
+    : WithStreamK<Tile<112, 2, Schedule::kOverlap>, Tile<112, 2, Schedule::kOverlap>> {};
 template <> struct FwdTile<256>
     : WithStreamK<WithCluster<Tile<80, 2, Schedule::kOverlap>, 2>,
                   Tile<80, 2, Schedule::kOverlap>> {};

@@ -10,8 +10,8 @@
 // (slow at 16k: seconds per call) and reports the result as unchecked.
 // Variants: FwdTile's tile with each schedule (on the launcher's persistent grid: a static
 // stride when unmasked, the dynamic scheduler when causal), FwdTile's own on a grid of one CTA
-// per tile, in 2-CTA clusters, and with stream-K (one CTA; at hdim 256 also clusters; no stream-K
-// at hdim 192; FA3_SK_WORKERS sets the workers); with -DFA3_TUNE also the candidate tiles listed at the end of main. With
+// per tile, in 2-CTA clusters, and with stream-K (one CTA; at hdim 256 also clusters;
+// FA3_SK_WORKERS sets the workers); with -DFA3_TUNE also the candidate tiles listed at the end of main. With
 // -DFA3_TRACE each variant also reports where a consumer's item goes (fa3_trace.h's marks).
 #include <cuda_bf16.h>
 
@@ -273,7 +273,6 @@ int main(int argc, char** argv) {
     run("own, 2-CTA cluster", [&] { flash::fa3::launch_fwd<Tr>(p, 0); });
   }
   ++index;
-#if FA3_HDIM != 192
   // FwdTile's stream-K kernel (fa3_scheduler.h; full only) on FA3_SK_WORKERS workers (default:
   // fa3.h's stream_k_workers, or one per SM where it says none); at hdim 256 also in clusters
   // of two (not dispatched: it spills).
@@ -292,7 +291,6 @@ int main(int argc, char** argv) {
     run("own, stream-K cluster", [&] { flash::fa3::launch_fwd<Tr>(p, 0, sk_workers / 2); });
   }
   ++index;
-#endif
 #endif
 #ifdef FA3_TUNE
   // Candidates beside FwdTile's (wide) tile, its narrow tile first where it has one (fa3_tiles.h
