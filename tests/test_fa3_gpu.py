@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import flash_attn
-from flash_attn import _dispatch
+from flash_attn import _dispatch, _ops
 from conftest import requires_backend
 from _gpu_common import (
     DEVICE, DTYPE_NAMES, assert_agree, attn_args, check, dtype_params, qkv, randn, reference,
@@ -316,6 +316,19 @@ def test_default_on_sm90_is_fa3():
         assert flash_attn.select_backend(q, k, v, causal=True) == "fa3"   # + fa2's backward
     with pytest.warns(_dispatch.BackendFallbackWarning, match=r"fa3 does not support dropout"):
         assert flash_attn.select_backend(q, k, v, dropout_p=0.1) == "fa2"
+
+
+def test_rng_state_zeros_written_by_the_kernel():
+    """fa3 draws nothing; its kernel writes the call's rng_state zeros (no fill kernel): a
+    freed block of nonzero int64s, which the allocator hands out again, must come back zeros."""
+    skip_unless_built(torch.bfloat16, 128)
+    q, k, v = qkv(1, 100, 300, 2, 2, 128, torch.bfloat16)
+    for _ in range(3):
+        junk = torch.full((2,), -7, dtype=torch.int64, device=DEVICE)
+        del junk
+        _, _, rng_state = _ops.run_fwd(q, k, v, 128 ** -0.5, False, -1, -1, 0.0, None, 0.0,
+                                       False, BACKEND)
+        assert rng_state.tolist() == [0, 0]
 
 
 def test_forced_fa3_with_dropout_is_an_error():

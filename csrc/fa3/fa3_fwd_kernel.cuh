@@ -314,6 +314,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (wg == 0) {
     // ---- producer ----------------------------------------------------------------------
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    // No dropout: the call's rng_state (the Philox state it drew from) is zeros, written here
+    // so that the call needs no fill kernel of its own (flash_attn/_ops.py, run_fwd).
+    if (blockIdx.x == 0 && threadIdx.x == 0 && p.rng_state != nullptr) {
+      p.rng_state[0] = 0;
+      p.rng_state[1] = 0;
+    }
     if (wg_tid == 0) {
       Tensor mQ = tma.q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.heads, p.batch));
       Tensor mK = tma.k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.heads_k, p.batch));
