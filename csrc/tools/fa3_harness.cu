@@ -11,8 +11,9 @@
 // Variants: FwdTile's tile with each schedule (on the launcher's persistent grid: a static
 // stride when unmasked, the dynamic scheduler when causal), FwdTile's own on a grid of one CTA
 // per tile, in 2-CTA clusters, and with stream-K (one CTA; at hdim 256 also clusters;
-// FA3_SK_WORKERS sets the workers); with -DFA3_TUNE also the candidate tiles listed at the end of main. With
-// -DFA3_TRACE each variant also reports where a consumer's item goes (fa3_trace.h's marks).
+// FA3_SK_WORKERS sets the workers); with -DFA3_TUNE also the candidate tiles listed at the end
+// of main. With -DFA3_TRACE each variant also reports where a consumer's item goes
+// (fa3_trace.h's marks).
 #include <cuda_bf16.h>
 
 #include <climits>
