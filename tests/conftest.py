@@ -252,7 +252,7 @@ class FakeExtension(types.ModuleType):
             rng_state.copy_(torch.tensor([self.SEED, self.offset]))
             self.offset += 4
             self.rng_states.append(rng_state.clone())
-        elif family == "fa3":  # as its kernel: no dropout, the zeros written by the kernel
+        else:  # nothing drawn: zeros, as the extension writes them
             rng_state.zero_()
         # The truth the tests trust, in float64.
         o, l = reference.attention_ref(

@@ -390,6 +390,9 @@ void fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   check_family_features(family, p);
   p.rng_state = rng_state.data_ptr<int64_t>();  // the kernel writes [seed, offset] when dropping
   if (p.dropout_p > 0.f) take_philox(p, q);
+  // Nothing drawn: rng_state is zeros. fa3's kernel writes them itself, which keeps a fill
+  // kernel off a small call's path (1 us of 20-35 us, fa3_notes.md, session 22).
+  if (p.dropout_p == 0.f && family != "fa3") rng_state.zero_();
   at::Tensor workspace;
   if (family == "fa1") {
     workspace = alloc_workspace(
