@@ -440,6 +440,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   // ---- consumers: warpgroup wg - 1 owns rows [64 (wg - 1), +64) of the tile ---------------
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
+  if (threadIdx.x == 128) FA3_MARK(0, 52, globaltimer());
   const int cw = wg - 1;
   typename Tr::MmaS mma_s;
   typename Tr::MmaO mma_o;
@@ -500,6 +501,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // neither barrier can see an item's arrival before the item before has passed it.
   constexpr bool kStageO = Tr::kStageO;
   cutlass::PipelineState<Tr::kStages> o_state;  // the item's last K / V stage
+#ifdef FA3_TRACE
+  int trace_item = 0;  // the item's index among this CTA's, for stage_o's marks
+#endif
   auto stage_o = [&](const auto& tma_o, const Item& it, int wg_row0, const float (&lse)[2]) {
     uint32_t pk[2][kHeadDim / 8];  // this lane's column pair of each 8-column block, per row
     CUTE_UNROLL
@@ -510,6 +514,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
     if (cw == 1) cutlass::arch::NamedBarrier::sync(256, kVFree);
+    if (wg_tid == 0 && cw < 2) FA3_MARK(trace_item, 50 + cw, clock64());
     Element* region = (cw == 0 ? shared.k.data() : shared.v.data()) +
                       o_state.index() * kBlockN * kHeadDim;
     const uint32_t base = cute::cast_smem_ptr_to_uint(region);
@@ -524,7 +529,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                   pk[0][2 * c], pk[1][2 * c], pk[0][2 * c + 1], pk[1][2 * c + 1]);
     }
     cutlass::arch::fence_view_async_shared();  // the writes, before the async proxy reads them
+    if (wg_tid == 0 && cw < 2) FA3_MARK(trace_item, 42 + cw, clock64());
     cutlass::arch::NamedBarrier::sync(128, kOwn + cw);
+    if (wg_tid == 0 && cw < 2) FA3_MARK(trace_item, 44 + cw, clock64());
     if (wg_tid == 0) {
       // (tma_o is tma.o, a parameter so that this generic lambda compiles only where staged)
       Tensor mO = tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.heads, p.batch));
@@ -538,6 +545,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       tma_store_arrive();
       tma_store_wait<0>();  // read out of shared memory (the writes to out complete on their own)
+      if (cw < 2) FA3_MARK(trace_item, 46 + cw, clock64());
     }
     if (quad == 0) {
       CUTE_UNROLL
@@ -549,6 +557,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
     cutlass::arch::NamedBarrier::sync(128, kOwn + cw);  // the stores have read the stage
+    if (wg_tid == 0 && cw < 2) FA3_MARK(trace_item, 48 + cw, clock64());
     if (cw == 0) {  // (not a ternary of the two pipelines: that put them on the stack)
       pipe_k.consumer_release(o_state);
     } else {
@@ -640,9 +649,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   for (int taken = 0;; ++taken) {
     const int qb = taken % Tr::kQBufs;
+#ifdef FA3_TRACE
+    trace_item = taken;
+#endif
     if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 0, clock64());
     cutlass::arch::ClusterBarrier::wait(&shared.q_full[qb], (taken / Tr::kQBufs) & 1);
     if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 1, clock64());
+    if (threadIdx.x == 128) FA3_MARK(taken, 53, globaltimer());
     compiler_fence();
     const int i = shared.item[qb];
     if (i < 0) break;
@@ -764,12 +777,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
         cutlass::PipelineState<Tr::kStages> prev;
         bool o_zero = true;  // the item's first P V
-#ifdef FA3_TRACE
+#if defined(FA3_TRACE) && !defined(FA3_TRACE_NO_STEPS)
         long long tr_acc[4] = {0, 0, 0, 0};
 #endif
         auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
           constexpr bool kFirst = decltype(first)::value;
-#ifdef FA3_TRACE
+#if defined(FA3_TRACE) && !defined(FA3_TRACE_NO_STEPS)
           const long long tr_t0 = clock64();
 #endif
           pipe_k.consumer_wait(state);
@@ -809,7 +822,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           copy(flash::fa2::convert_fragment<Element>(acc_s), rP);
           if constexpr (kFirst) forget(acc_o);  // the next P V is the item's first (o_zero)
           if (kFirst && wg_tid == 0) FA3_MARK(taken, 5 * cw + 2, clock64());
-#ifdef FA3_TRACE
+#if defined(FA3_TRACE) && !defined(FA3_TRACE_NO_STEPS)
           if constexpr (!kFirst) {
             constexpr int kSlot = decltype(masked)::value ? 0 : 2;
             tr_acc[kSlot] += clock64() - tr_t0;
@@ -820,7 +833,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           ++state;
         };
         flash::fa2::walk_key_tiles(tiles, step);
-#ifdef FA3_TRACE
+#if defined(FA3_TRACE) && !defined(FA3_TRACE_NO_STEPS)
         if (wg_tid == 0) {
           for (int k = 0; k < 4; ++k) FA3_MARK(taken, 24 + 4 * cw + k, tr_acc[k]);
         }
@@ -843,7 +856,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 3, clock64());
       if (wg_tid == 0 && cw == 0) FA3_MARK(taken, 17, tiles.end - tiles.begin);
       if (!kEarlyRelease) release_q();
+      if (threadIdx.x == 128) FA3_MARK(taken, 54, globaltimer());
       if constexpr (Tr::kStreamK) output = merge_pieces(i, softmax);
+      if (threadIdx.x == 128) FA3_MARK(taken, 55, globaltimer());
     } else {
       release_q();  // only the index was read
       if (pending) store_o();
@@ -883,6 +898,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // of 8 and out is 16-byte aligned (the API checks), so a block is all in or all out.
     float lse[2];
     softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);  // O stays 0 if no key
+    if (wg_tid == 0 && cw < 2) FA3_MARK(taken, 40 + cw, clock64());
     if constexpr (kStageO) {
       if (!tiles.empty()) {
         stage_o(tma.o, it, wg_row0, lse);
@@ -912,6 +928,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     pending = true;
     if constexpr (!kDeferStores) store_o();
     if (wg_tid == 0) FA3_MARK(taken, 5 * cw + 4, clock64());
+    if (threadIdx.x == 128) FA3_MARK(taken, 56, globaltimer());
   }  // items
   if (pending) store_o();  // the last item's
 #endif

@@ -13,7 +13,9 @@
 // per tile, in 2-CTA clusters, and with stream-K (one CTA; at hdim 256 also clusters;
 // FA3_SK_WORKERS sets the workers); with -DFA3_TUNE also the candidate tiles listed at the end
 // of main. With -DFA3_TRACE each variant also reports where a consumer's item goes
-// (fa3_trace.h's marks).
+// (fa3_trace.h's marks); add -DFA3_TRACE_EPI -DFA3_TRACE_NO_STEPS for the staged epilogue's
+// phases alone, -DFA3_TRACE_TIME -DFA3_TRACE_NO_STEPS for a timeline across the CTAs in ns
+// (entry, Q landed, last P V, stream-K merge, epilogue, per piece).
 #include <cuda_bf16.h>
 
 #include <climits>
@@ -179,6 +181,32 @@ int main(int argc, char** argv) {
         }
       }
     }
+#ifdef FA3_TRACE_TIME
+    {
+      // A timeline over the CTAs (ns from the first CTA's entry): min / mean / max per mark.
+      long long t0 = LLONG_MAX;
+      for (int c = 0; c < p.num_sms; ++c) {
+        const long long e = t[(size_t(c) * kTraceItems) * kTraceSlots + 52];
+        if (e != 0) t0 = std::min(t0, e);
+      }
+      const char* names[5] = {"entry", "Q landed", "last P V", "merged", "epilogue done"};
+      for (int k = 0; k < 3; ++k) {
+        for (int sl = 52; sl < 57; ++sl) {
+          if (k > 0 && sl == 52) continue;
+          long long lo = LLONG_MAX, hi = 0; double sum = 0; int n = 0;
+          for (int c = 0; c < p.num_sms; ++c) {
+            const long long v = t[(size_t(c) * kTraceItems + k) * kTraceSlots + sl];
+            if (v == 0) continue;
+            lo = std::min(lo, v - t0); hi = std::max(hi, v - t0); sum += double(v - t0); ++n;
+          }
+          if (n) {
+            printf("  piece %d %-14s n=%3d  min %7lld  mean %9.0f  max %7lld ns\n", k,
+                   names[sl - 52], n, lo, sum / n, hi);
+          }
+        }
+      }
+    }
+#endif
     printf("trace, SM cycles per consumer item (%.1f key tiles):\n",
            tiles.n ? tiles.sum / tiles.n : 0.);
     item.print("item (one wait for Q to the next)");
@@ -193,6 +221,33 @@ int main(int argc, char** argv) {
     issued.print("next Q issued after this consumer released");
     last_v_wait.print("last P V: waiting for its V");
     last_pv.print("last P V: issued to done");
+    {
+      // The staged epilogue (hdim 256), per consumer: finalize, pack (+ consumer 1's wait for
+      // consumer 0's last P V), stmatrix, barrier, TMA store issue + read wait, lse + barrier,
+      // release.
+      const int from[7] = {-1, 40, 50, 42, 44, 46, 48}, to[7] = {40, 50, 42, 44, 46, 48, -2};
+      const char* name[7] = {"finalize", "pack (+c1 waits c0 PV)", "stmatrix+fence", "barrier",
+                             "TMA store + read wait", "lse + barrier", "release"};
+      for (int cw = 0; cw < 2; ++cw) {
+        Mean m[7];
+        for (int c = 0; c < p.num_sms; ++c) {
+          auto at = [&](int k, int s) {
+            return t[(size_t(c) * kTraceItems + k) * kTraceSlots + s];
+          };
+          for (int k = 1; k + 1 < kTraceItems && at(k + 1, 0) != 0; ++k) {
+            for (int j = 0; j < 7; ++j) {
+              const int a = from[j] == -1 ? 5 * cw + 3 : from[j] + cw;
+              const int b = to[j] == -2 ? 5 * cw + 4 : to[j] + cw;
+              m[j].add(at(k, a), at(k, b));
+            }
+          }
+        }
+        printf("  consumer %d epilogue:", cw);
+        for (int j = 0; j < 7; ++j) {
+          printf(" %s %.0f%s", name[j], m[j].n ? m[j].sum / m[j].n : 0.0, j < 6 ? "," : "\n");
+        }
+      }
+    }
     for (int cw = 0; cw < 2; ++cw) {
       const double* st = steps[cw];
       printf("  consumer %d steps after the first: masked %.0f cycles x %.2f per item, unmasked "
