@@ -58,6 +58,8 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     storage offset 16-byte aligned), else a contiguous copy. Strided views such as qkv[:, :, 0]
     pass through without a copy. Called inside the op implementations: dynamo cannot trace
     storage_offset(), and there the check costs nothing under torch.compile."""
+    if t.is_contiguous() and t.shape[-1] % _ALIGN == 0 and t.storage_offset() % _ALIGN == 0:
+        return t  # every stride a multiple of the last dim (the common case, checked cheaply)
     if t.stride(-1) != 1:
         return t.contiguous()
     aligned = t.storage_offset() % _ALIGN == 0 and all(
@@ -85,22 +87,20 @@ def run_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap, 
     # rng_state: int64 [seed, offset] of the Philox stream the kernel drew the dropout mask
     # from, written by the kernel; zeros when nothing was drawn. The backward and
     # dropout_mask regenerate the mask from it.
-    batch, seqlen_q, nheads, _ = q.shape
-    out = q.new_empty(q.shape)
-    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
-    launch = out.numel() > 0 and k.shape[1] > 0
-    # The extension's fwd writes rng_state on every launch (its [seed, offset], or zeros).
-    rng_state = (q.new_empty if launch else q.new_zeros)((2,), dtype=torch.int64)
-    if out.numel() == 0:
-        return out, lse, rng_state
-    if not launch:
+    if q.numel() == 0 or k.shape[1] == 0:
+        batch, seqlen_q, nheads, _ = q.shape
+        out = q.new_zeros(q.shape)
+        lse = q.new_full((batch, nheads, seqlen_q), math.inf, dtype=torch.float32)
         # No key at all: every row is empty, which the convention maps to out 0, lse +inf.
-        return out.zero_(), lse.fill_(math.inf), rng_state
+        return out, lse, q.new_zeros((2,), dtype=torch.int64)
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.contiguous()
-    extension().fwd(q, k, v, out, lse, rng_state, alibi_slopes, softmax_scale, causal,
-                    window_left, window_right, softcap, dropout_p, backend)
+    # The extension allocates out, lse and rng_state (None): 2-4 us of host time there against
+    # ~9 us here. It writes rng_state on every launch ([seed, offset], or zeros).
+    out, lse, rng_state = extension().fwd(q, k, v, None, None, None, alibi_slopes,
+                                          softmax_scale, causal, window_left, window_right,
+                                          softcap, dropout_p, backend)
     return out, lse, rng_state
 
 

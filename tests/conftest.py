@@ -243,6 +243,13 @@ class FakeExtension(types.ModuleType):
 
     def fwd(self, q, k, v, out, lse, rng_state, alibi_slopes, softmax_scale, causal,
             window_left, window_right, softcap, dropout_p, family):
+        # As the extension: None allocates the output; returns (out, lse, rng_state).
+        if out is None:
+            out = q.new_empty(q.shape)
+        if lse is None:
+            lse = q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+        if rng_state is None:
+            rng_state = q.new_empty((2,), dtype=torch.int64)
         self.calls.append(("fwd", family, tuple(q.shape), softmax_scale, causal,
                            (window_left, window_right), softcap, alibi_slopes, dropout_p))
         self._find_kernel(family, "fwd", q)
@@ -261,6 +268,7 @@ class FakeExtension(types.ModuleType):
             dropout_mask=self._keep(rng_state, q, k, dropout_p), return_lse=True)
         out.copy_(o)
         lse.copy_(l)
+        return out, lse, rng_state
 
     def bwd(self, dout, q, k, v, out, lse, rng_state, dq, dk, dv, alibi_slopes, softmax_scale,
             causal, window_left, window_right, softcap, dropout_p, deterministic, family):
