@@ -389,12 +389,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   check_lse(lse, q);
   check_rng_state(rng_state, q);
   const auto result = std::make_tuple(out, lse, rng_state);
-  if (q.numel() == 0 || k.size(1) == 0) {
-    if (!rng_state_arg) rng_state.zero_();  // nothing drawn
-    if (q.numel() == 0) return result;
-    // No key at all: every row is empty.
-    out.zero_();
-    lse.fill_(std::numeric_limits<float>::infinity());
+  if (q.numel() == 0 || k.size(1) == 0) {  // nothing to launch, nothing drawn
+    rng_state.zero_();
+    if (q.numel() > 0) {  // no key at all: every row is empty
+      out.zero_();
+      lse.fill_(std::numeric_limits<float>::infinity());
+    }
     return result;
   }
   const c10::cuda::CUDAGuard guard(q.device());

@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // ---- producer ----------------------------------------------------------------------
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     // No dropout: the call's rng_state (the Philox state it drew from) is zeros, written here
-    // so that the call needs no fill kernel of its own (flash_attn/_ops.py, run_fwd).
+    // so that the call needs no fill kernel of its own (csrc/api/flash_api.cpp, fwd).
     if (blockIdx.x == 0 && threadIdx.x == 0 && p.rng_state != nullptr) {
       p.rng_state[0] = 0;
       p.rng_state[1] = 0;
@@ -514,7 +514,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
     if (cw == 1) cutlass::arch::NamedBarrier::sync(256, kVFree);
-    if (wg_tid == 0 && cw < 2) FA3_MARK(trace_item, 50 + cw, clock64());
+    if (wg_tid == 0) FA3_MARK(trace_item, 50 + cw, clock64());
     Element* region = (cw == 0 ? shared.k.data() : shared.v.data()) +
                       o_state.index() * kBlockN * kHeadDim;
     const uint32_t base = cute::cast_smem_ptr_to_uint(region);
@@ -529,9 +529,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                   pk[0][2 * c], pk[1][2 * c], pk[0][2 * c + 1], pk[1][2 * c + 1]);
     }
     cutlass::arch::fence_view_async_shared();  // the writes, before the async proxy reads them
-    if (wg_tid == 0 && cw < 2) FA3_MARK(trace_item, 42 + cw, clock64());
+    if (wg_tid == 0) FA3_MARK(trace_item, 42 + cw, clock64());
     cutlass::arch::NamedBarrier::sync(128, kOwn + cw);
-    if (wg_tid == 0 && cw < 2) FA3_MARK(trace_item, 44 + cw, clock64());
+    if (wg_tid == 0) FA3_MARK(trace_item, 44 + cw, clock64());
     if (wg_tid == 0) {
       // (tma_o is tma.o, a parameter so that this generic lambda compiles only where staged)
       Tensor mO = tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.heads, p.batch));
@@ -545,7 +545,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       tma_store_arrive();
       tma_store_wait<0>();  // read out of shared memory (the writes to out complete on their own)
-      if (cw < 2) FA3_MARK(trace_item, 46 + cw, clock64());
+      FA3_MARK(trace_item, 46 + cw, clock64());
     }
     if (quad == 0) {
       CUTE_UNROLL
@@ -557,7 +557,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
     }
     cutlass::arch::NamedBarrier::sync(128, kOwn + cw);  // the stores have read the stage
-    if (wg_tid == 0 && cw < 2) FA3_MARK(trace_item, 48 + cw, clock64());
+    if (wg_tid == 0) FA3_MARK(trace_item, 48 + cw, clock64());
     if (cw == 0) {  // (not a ternary of the two pipelines: that put them on the stack)
       pipe_k.consumer_release(o_state);
     } else {
