@@ -99,9 +99,9 @@ struct FwdTraits {
   // Taking the wait for the store's read off the consumers (the producer warpgroup issues the
   // store and releases the stage) ran 0.3..3% slower (session 20; not profiled: the read
   // then runs beside the next item's first GEMMs, which read shared memory too). Running the
-  // next item's first key tile under the store's read lost 0.6% (one CTA) to 3% (clusters):
-  // the boundary waits for the held stage's release and the next key tile's load into it, not
-  // for the tensor cores (session 24, branch exp/carry).
+  // next item's first key tile under the store's read lost 0.6% (one CTA) to 3% (clusters),
+  // and gained nothing with the K stage free either: the tensor cores' idle time is not what
+  // sets the item boundary's length (session 24, branches exp/carry, exp/carry2).
   static constexpr bool kStageO = kQBufs == 1 && kSchedule == Schedule::kOverlap &&
                                   kConsumers == 2 && kHeadDim == 256 && kBlockN >= 64;
   using SmemOBox = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{}, Shape<_64, _64>{}));
