@@ -7,7 +7,8 @@ and the fa3-forward + fa2-backward pairing by the rule on dq, dk, dv.
 What is covered: every head-dim kernel (64, 96, 128, 192, 256, and the dims they serve), both
 dtypes, full / causal / sliding windows / softcap / ALiBi, MHA / GQA / MQA, seqlen pairs that
 are not multiples of the tiles (128 or 192 query rows, 80-192 keys), rows that see no key; fa3 and
-fa2 agree on the same inputs; grids past 65535 (batch x heads); inputs whose extent-1 dims
+fa2 agree on the same inputs; logits that jump late in the key walk (the lazy softmax step's
+two fallbacks); grids past 65535 (batch x heads); inputs whose extent-1 dims
 have strides a TMA descriptor would refuse; the automatic choice on sm90 and its fallback for
 dropout.
 """
@@ -247,6 +248,37 @@ def test_softcap(sq, sk, h, hk, d, softcap, causal, dtype):
                          ids=["113x203-d64", "1023x1024-d128", "257x300-d256"])
 def test_alibi(sq, sk, d, alibi, mask, dtype):
     run_case(2, sq, sk, 6, 2, d, dtype, dict(mask, alibi=alibi))
+
+
+# Unmasked key tiles after an item's first take the lazy softmax step at hdim 192 / 256
+# (fa3_softmax.h): exponentials against the running max, checked afterwards. Keys are walked
+# from the last to the first, so scaling the first 100 keys' K makes the logits jump after the
+# max is set: by tens of log2 units at x8 (settle rescales P, the sums and O) and by hundreds
+# at x60 (P overflows: settle recomputes the scores). 379 - 300 keys: the first row's diagonal
+# ends the unmasked tiles (80 wide), so it has no max before them (the walk's first unmasked
+# tile then takes the masked step).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("jump", [8.0, 60.0], ids=["rescale", "rescore"])
+@pytest.mark.parametrize("sq,sk,d", [(300, 700, 192), (1023, 1024, 256), (200, 2100, 256),
+                                     (300, 379, 256)])
+def test_logit_jumps(sq, sk, d, jump, causal, dtype):
+    skip_unless_built(dtype, d)
+    q, k, v = qkv(2, sq, sk, 4, 2, d, dtype)
+    k[:, :100] *= jump
+    check((q, k, v), "qkv", dtype, fa(dict(causal=causal)), dict(causal=causal))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logit_jumps_cluster(dtype, monkeypatch):
+    """The same in the 2-CTA cluster kernel (hdim 256 full attention)."""
+    monkeypatch.setenv("FLASH_ATTN_FA3_CLUSTER", "1")
+    monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", "0")
+    skip_unless_built(dtype, 256)
+    for jump in (8.0, 60.0):
+        q, k, v = qkv(2, 1023, 1500, 4, 2, 256, dtype)
+        k[:, :100] *= jump
+        check((q, k, v), "qkv", dtype, fa({}), {})
 
 
 # ---- 4. fa3 against fa2 -----------------------------------------------------------------------

@@ -22,7 +22,7 @@
 #include "common/params.h"
 #include "fa2/fa2_mask.h"
 #include "fa2/fa2_score_mod.h"
-#include "fa2/fa2_softmax.h"
+#include "fa3/fa3_softmax.h"
 #include "fa2/fa2_tile_order.h"
 #include "fa2/fa2_utils.h"
 #include "fa3/fa3_scheduler.h"
@@ -227,6 +227,37 @@ __device__ __forceinline__ bool opaque_true() {
   uint32_t lane;
   asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
   return lane < 32;
+}
+
+// The scores q_row[r] . k_row[c] of kRows rows and kCols keys (fp32 sums of the 16-bit
+// products, into score[r * kCols + c]), with CUDA cores from global memory: the lazy softmax
+// step's rare fallback (fa3_softmax.h's settle). Not inlined, so that its registers and loads
+// stay out of the kernel's loop: inline, a vectorised version cost the 2-CTA kernel ~1% at
+// hdim 256 and the stream-K kernels their spill-free allocation (fa3_notes.md, session 25).
+// head_dim, the row strides and the bases are multiples of 8 elements (the API checks, TMA
+// needs them), so each step is a 16-byte load of either row. A null q_row is a row past
+// seqlen_q, whose Q TMA fills with zeros.
+template <class Element, int kRows, int kCols>
+__device__ __noinline__ void rescore_rows(const Element* const (&q_row)[kRows],
+                                          const Element* const (&k_row)[kCols], int head_dim,
+                                          float (&score)[kRows * kCols]) {
+  #pragma unroll 1
+  for (int r = 0; r < kRows; ++r) {
+    #pragma unroll 1
+    for (int c = 0; c < kCols; ++c) {
+      float acc = 0.f;
+      #pragma unroll 1
+      for (int d = 0; q_row[r] != nullptr && d < head_dim; d += 8) {
+        const uint4 qa = *reinterpret_cast<const uint4*>(q_row[r] + d);
+        const uint4 ka = *reinterpret_cast<const uint4*>(k_row[c] + d);
+        const Element* qe = reinterpret_cast<const Element*>(&qa);
+        const Element* ke = reinterpret_cast<const Element*>(&ka);
+        CUTE_UNROLL
+        for (int j = 0; j < 8; ++j) acc = fmaf(float(qe[j]), float(ke[j]), acc);
+      }
+      score[r * kCols + c] = acc;
+    }
+  }
 }
 
 template <class Tr, class Tma>
@@ -504,6 +535,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // neither barrier can see an item's arrival before the item before has passed it.
   constexpr bool kStageO = Tr::kStageO;
   cutlass::PipelineState<Tr::kStages> o_state;  // the item's last K / V stage
+  // Which kernels take the lazy softmax step on unmasked tiles (fa3_softmax.h): the overlapped
+  // schedules, whose softmax runs beside the GEMMs (hdim 192 / 256: +3..8% on the harness,
+  // fa3_notes.md, session 25). Not the stream-K kernels, whose merge leaves no registers for
+  // its rare path (their loop spilled, -15..19%); not yet the serial schedule.
+  constexpr bool kLazySteps = Tr::kSchedule != Schedule::kSerial && !Tr::kStreamK;
 #ifdef FA3_TRACE
   int trace_item = 0;  // the item's index among this CTA's, for stage_o's marks
 #endif
@@ -574,7 +610,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // elements) with the rows' max and sum, and the last merges them into its registers and
   // writes the item. It waits only for pieces that have counted, so for no CTA that is not
   // running. Returns whether this consumer writes the item's O.
-  auto merge_pieces = [&](int i, flash::fa2::Softmax<2>& softmax) {
+  auto merge_pieces = [&](int i, Softmax<2>& softmax) {
     if (i < sched.lattice) return true;  // a whole item
     const int kt = sched.key_tiles, first_unit = (i - sched.lattice) * kt;
     const int w_lo = sched.worker_of(first_unit), w_hi = sched.worker_of(first_unit + kt - 1);
@@ -704,6 +740,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           tiles.unmasked_begin = max(tiles.unmasked_begin, tiles.begin);
           tiles.unmasked_end = max(min(tiles.unmasked_end, tiles.end), tiles.unmasked_begin);
         }
+        // The lazy step (fa3_softmax.h) needs every row to have a max. The rows past the masked
+        // tiles on top get one there unless the first of them (the latest diagonal) sees no key
+        // above the unmasked tiles: then the first unmasked tile takes the masked step (its
+        // mask changes nothing) rather than a recompute in settle().
+        if (kLazySteps && tiles.end > tiles.unmasked_end &&
+            tiles.unmasked_end > tiles.unmasked_begin &&
+            mask.key_end(wg_row0) <= tiles.unmasked_end * kBlockN) {
+          --tiles.unmasked_end;
+        }
       }
     }
     // Q (and the item index) are done with once the item's last S GEMM has retired. With one
@@ -719,7 +764,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int head = it.head, batch = it.batch;
     const flash::fa2::ScoreMod score_mod(p, batch, head);
 
-    flash::fa2::Softmax<2> softmax;
+    Softmax<2> softmax;
     bool output = true;  // stream-K: false where another piece of the item writes its O
     if (!tiles.empty()) {
       Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});
@@ -728,6 +773,37 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       auto scores = [&](int n, auto masked) __attribute__((always_inline)) {
         if constexpr (Tr::kScoreMod) score_mod.apply(s_rc, cS_rc, wg_row0, n * kBlockN);
         if constexpr (decltype(masked)::value) mask.apply(s_rc, cS_rc, wg_row0, n * kBlockN);
+      };
+      // The scores of unmasked key tile n again, from global memory with CUDA cores, into s
+      // (s_rc): settle()'s rare case, where the lazy step's P overflowed (a logit 128 or more
+      // above the row's running max, log2 units). Q and K stay in global memory for the whole
+      // launch, so no shared-memory stage is held for it. Rows past seqlen_q have zero Q (TMA
+      // fills them so); an unmasked tile's keys are all below seqlen_k.
+      auto rescore = [&](auto& s, int n) {
+        constexpr int kRows = decltype(size<0>(s))::value, kCols = decltype(size<1>(s))::value;
+        const Element* q = static_cast<const Element*>(p.q) + batch * p.q_strides.batch +
+                           head * p.q_strides.head;
+        const Element* k = static_cast<const Element*>(p.k) + batch * p.k_strides.batch +
+                           it.head_k * p.k_strides.head;
+        const Element* q_row[kRows];
+        const Element* k_row[kCols];
+        float score[kRows * kCols];
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          const int row = wg_row0 + get<0>(cS_rc(mi, 0));
+          q_row[mi] = row < p.seqlen_q ? q + int64_t(row) * p.q_strides.row : nullptr;
+        }
+        CUTE_UNROLL
+        for (int ni = 0; ni < kCols; ++ni) {
+          k_row[ni] = k + int64_t(n * kBlockN + get<1>(cS_rc(0, ni))) * p.k_strides.row;
+        }
+        rescore_rows(q_row, k_row, p.head_dim, score);
+        CUTE_UNROLL
+        for (int mi = 0; mi < kRows; ++mi) {
+          CUTE_UNROLL
+          for (int ni = 0; ni < kCols; ++ni) s(mi, ni) = score[mi * kCols + ni];
+        }
+        if constexpr (Tr::kScoreMod) score_mod.apply(s, cS_rc, wg_row0, n * kBlockN);
       };
       if constexpr (Tr::kSchedule == Schedule::kSerial) {
         auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
@@ -805,20 +881,35 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           }
           if (kEarlyRelease && n == tiles.begin) release_q();
           scores(n, masked);
-          float correction[2];
-          const bool rescale_o =
-              softmax.template online<kFirst, /*kBranch=*/false>(s_rc, p.softmax_scale_log2,
-                                                                  correction);
+          // Unmasked tiles after the first take the lazy step (no max before the exponentials,
+          // fa3_softmax.h); the first and masked ones FA2's.
+          constexpr bool kLazy = kLazySteps && !kFirst && !decltype(masked)::value;
+          float correction[2], tile_sum[2];
+          bool fix;  // a vote of the warp: rescale O (FA2's step) or settle (the lazy one)
+          if constexpr (kLazy) {
+            fix = softmax.exponentiate(s_rc, p.softmax_scale_log2, tile_sum);
+          } else {
+            fix = softmax.template online<kFirst, /*kBranch=*/false>(s_rc, p.softmax_scale_log2,
+                                                                      correction);
+          }
           if constexpr (!kFirst) {
             // The wait must be one instruction for the whole warpgroup (wgmma.wait_group is
-            // .aligned), so not in the rescale's branch: rescale_o is a vote of the warp, and
+            // .aligned), so not in the rescale's branch: the fix is a vote of the warp, and
             // synccheck found the warps of a warpgroup at two different waits. A branch that
             // every thread takes ends the basic block after the exponentials all the same.
             // (A vote of the four warps cost ~0.5% at hdim 256; with an empty branch or
             // __syncwarp ptxas put the wait among the exponentials: fa3_notes.md, session 19.)
             if (opaque_true()) {
               warpgroup_wait<0>();
-              if (rescale_o) softmax.rescale(acc_o_rc, correction);
+              if constexpr (kLazy) {
+                if (fix) {
+                  softmax.settle(s_rc, acc_o_rc, p.softmax_scale_log2, tile_sum,
+                                 [&](auto& s) { rescore(s, n); });
+                }
+                softmax.accumulate(tile_sum);
+              } else {
+                if (fix) softmax.rescale(acc_o_rc, correction);
+              }
             }
             pipe_v.consumer_release(prev);
           }

@@ -7,7 +7,9 @@
 //        [-DFA3_HDIM=128] -Icsrc -I<cutlass>/include csrc/tools/fa3_harness.cu -o fa3_harness
 //   ./fa3_harness batch seqlen_q seqlen_k heads heads_k causal [variant index; default all]
 // Environment: FA3_ITERS=n times n launches (default 20); FA3_NO_REF=1 skips the reference
-// (slow at 16k: seconds per call) and reports the result as unchecked.
+// (slow at 16k: seconds per call) and reports the result as unchecked; FA3_KSPIKE=keys,factor
+// scales the K rows of the first keys keys (walked last) by factor: logits that jump late in
+// the walk, for the lazy softmax step's settle() (fa3_softmax.h).
 // Variants: FwdTile's tile with each schedule (on the launcher's persistent grid: a static
 // stride when unmasked, the dynamic scheduler when causal), FwdTile's own on a grid of one CTA
 // per tile, in 2-CTA clusters, and with stream-K (one CTA; at hdim 256 also clusters;
@@ -81,6 +83,14 @@ int main(int argc, char** argv) {
   for (auto& x : hq) x = rnd();
   for (auto& x : hk_) x = rnd();
   for (auto& x : hv) x = rnd();
+  if (const char* spike = getenv("FA3_KSPIKE")) {  // "keys,factor": K rows below keys scaled
+    int keys = 0;
+    float factor = 1.f;
+    sscanf(spike, "%d,%f", &keys, &factor);
+    for (size_t i = 0; i < nk; ++i) {
+      if (int(i / (size_t(hk) * kD) % sk) < keys) hk_[i] = Element(float(hk_[i]) * factor);
+    }
+  }
   Element *q, *k, *v, *o;
   float *ref_o, *ref_lse, *lse;
   cudaMalloc(&q, nq * 2); cudaMalloc(&k, nk * 2); cudaMalloc(&v, nk * 2); cudaMalloc(&o, nq * 2);
