@@ -232,8 +232,8 @@ __device__ __forceinline__ bool opaque_true() {
 // The scores q_row[r] . k_row[c] of kRows rows and kCols keys (fp32 sums of the 16-bit
 // products, into score[r * kCols + c]), with CUDA cores from global memory: the lazy softmax
 // step's rare fallback (fa3_softmax.h's settle). Not inlined, so that its registers and loads
-// stay out of the kernel's loop: inline, a vectorised version cost the 2-CTA kernel ~1% at
-// hdim 256 and the stream-K kernels their spill-free allocation (fa3_notes.md, session 25).
+// stay out of the kernel's loop: inline, it added spills to the 2-CTA kernel at hdim 256 and
+// cost it 1-2% (fa3_notes.md, session 25).
 // head_dim, the row strides and the bases are multiples of 8 elements (the API checks, TMA
 // needs them), so each step is a 16-byte load of either row. A null q_row is a row past
 // seqlen_q, whose Q TMA fills with zeros.
@@ -775,10 +775,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if constexpr (decltype(masked)::value) mask.apply(s_rc, cS_rc, wg_row0, n * kBlockN);
       };
       // The scores of unmasked key tile n again, from global memory with CUDA cores, into s
-      // (s_rc): settle()'s rare case, where the lazy step's P overflowed (a logit 128 or more
-      // above the row's running max, log2 units). Q and K stay in global memory for the whole
-      // launch, so no shared-memory stage is held for it. Rows past seqlen_q have zero Q (TMA
-      // fills them so); an unmasked tile's keys are all below seqlen_k.
+      // (s_rc): settle()'s rare case, where the lazy step's P went past 2^120 or to inf (a
+      // logit that far above the row's running max, in log2 units). Q and K stay in global
+      // memory for the whole launch, so no shared-memory stage is held for it. Rows past
+      // seqlen_q have zero Q (TMA fills them so); an unmasked tile's keys are all below
+      // seqlen_k.
       auto rescore = [&](auto& s, int n) {
         constexpr int kRows = decltype(size<0>(s))::value, kCols = decltype(size<1>(s))::value;
         const Element* q = static_cast<const Element*>(p.q) + batch * p.q_strides.batch +

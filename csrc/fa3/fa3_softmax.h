@@ -2,19 +2,20 @@
 // an item's first key tile and for masked tiles) plus a step for unmasked tiles that takes no
 // max before the exponentials.
 //
-// Why: at hdim 256 the tile max (a 20-deep fmax chain per row, then two shuffle rounds) sits
-// between the S GEMM's result and the first exponential, and costs more than its instruction
-// count: a build that skipped it (wrong in general) ran 5-6% faster at 2k and 4k (H200,
-// fa3_notes.md, session 25). FA2's lazy rescaling already keeps the old max while no row's max
-// grows by more than 2^kRescaleLog2; exponentiate() relies on that outright and checks
-// afterwards. Its P against the old max is the value FA2's step computes whenever the max did
-// not grow that much; a lane's partial sum of a row bounds each of its elements, so a sum at
-// most 2^kRescaleLog2 proves the step right. Otherwise settle() makes it right: it rescales
-// P, the sums and O to the row's new max, as FA2's step would have, or, where P overflowed or a
-// row had no max yet, recomputes the scores and takes FA2's step. Tiles that reach settle() are
-// rare once the first tiles have set the max (random inputs: none); a row whose logits jump
-// by more than kRescaleLog2 (log2 units) costs one settle(), and only a jump of 128 or more
-// over the running max (P = inf in fp32) costs a recompute.
+// Why: at hdim 256 the tile max (a 20-deep fmax chain per row and lane, then two shuffle
+// rounds) sits between the S GEMM's result and the first exponential, and costs more than its
+// instruction count: a build that skipped it (wrong in general) ran 5-6% faster at 2k and 4k
+// (H200, fa3_notes.md, session 25). FA2's lazy rescaling already keeps the old max while no
+// row's max grows by more than kRescaleLog2 (log2 units); exponentiate() relies on that
+// outright and checks afterwards. Its P against the old max is the value FA2's step computes
+// whenever the max did not grow that much; a lane's partial sum of a row bounds each of its
+// elements, so a sum at most 2^kRescaleLog2 proves the step right. Otherwise settle() makes it
+// right: it rescales P, the sums and O to the row's new max, as FA2's step would have, or,
+// where P went past kMaxRescale (or to inf) or a row had no max yet, recomputes the scores and
+// takes FA2's step. Tiles that reach settle() are rare once the first tiles have set the max
+// (the lazy build ran as fast as the one that skipped the max on random inputs); a row whose
+// logits jump by more than kRescaleLog2 costs one settle(), and only a jump of more than 120
+// costs a recompute (slow: CUDA cores, from global memory).
 #pragma once
 
 #include <cfloat>
