@@ -5,7 +5,8 @@
 // (CUTLASS's PipelineTmaAsync). The other two or three consume, 64 query rows each (the WGMMA
 // M; the query tile is 128 or 192 rows):
 //   S = Q K[n]^T        SS WGMMA from shared memory
-//   score mod, mask, online softmax (FA2's ScoreMod, Mask and Softmax: the same conventions)
+//   score mod, mask, online softmax (FA2's ScoreMod, Mask and Softmax: the same conventions;
+//                       fa3_softmax.h adds the lazy step of the overlapped schedules)
 //   O += P V[n]         RS WGMMA, P from registers, V read MN-major from shared memory
 // Schedules (Traits): serial (each GEMM waited for at once), intra-warpgroup overlap (S[n+1]
 // is issued before P[n] V[n], and the softmax of S[n+1] runs while P[n] V[n] does), and
