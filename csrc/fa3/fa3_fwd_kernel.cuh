@@ -537,7 +537,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   constexpr bool kStageO = Tr::kStageO;
   cutlass::PipelineState<Tr::kStages> o_state;  // the item's last K / V stage
   // Which kernels take the lazy softmax step on unmasked tiles (fa3_softmax.h): the overlapped
-  // schedules, whose softmax runs beside the GEMMs (hdim 192 / 256: +3..8% on the harness,
+  // schedules, whose softmax runs beside the GEMMs (hdim 192 / 256: +4..6% on the harness,
   // fa3_notes.md, session 25). Not the stream-K kernels, whose merge leaves no registers for
   // its rare path (their loop spilled, -15..19%); not yet the serial schedule.
   constexpr bool kLazySteps = Tr::kSchedule != Schedule::kSerial && !Tr::kStreamK;

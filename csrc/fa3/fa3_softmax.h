@@ -85,8 +85,8 @@ struct Softmax : flash::fa2::Softmax<kRows> {
       return;
     }
     // P <= p_max = exp2(tile max * scale_log2 - m * scale_log2): move m to the tile max, as
-    // FA2's step does when a row's max grows by more than 2^kRescaleLog2 (p_max is the quad's,
-    // so the four lanes of a row agree).
+    // FA2's step does when a row's max grows by more than kRescaleLog2 (log2 units; p_max is
+    // the quad's, so the four lanes of a row agree).
     bool grow = false;
 #pragma unroll
     for (int mi = 0; mi < kRows; ++mi) {
