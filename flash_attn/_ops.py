@@ -67,22 +67,38 @@ def kernel_layout(t: torch.Tensor) -> torch.Tensor:
     return t if aligned else t.clone(memory_format=torch.contiguous_format)
 
 
+# ---- private tuning overrides -----------------------------------------------------------------
+
+def tuning_text(tuning) -> str:
+    """The private ``_tuning`` mapping ({"fa3_narrow": 0, ...}) as the ops' ``tuning`` string:
+    overrides of the launchers' automatic choices for tests and A/B benchmarks, not user
+    interface. The extension knows the names (csrc/common/tuning.h) and refuses others."""
+    if not tuning:
+        return ""
+    for name, value in tuning.items():
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"_tuning: want str -> int entries, got {name!r}: {value!r}")
+    return ",".join(f"{name}={value}" for name, value in sorted(tuning.items()))
+
+
 # ---- forward ----------------------------------------------------------------------------------
 
 @torch.library.custom_op(
     "flash_attn::fwd", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, int window_left, "
            "int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
-           "bool deterministic, str backend) -> (Tensor out, Tensor lse, Tensor rng_state)")
+           "bool deterministic, str backend, str tuning=\"\") "
+           "-> (Tensor out, Tensor lse, Tensor rng_state)")
 def fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-        dropout_p, deterministic, backend):
+        dropout_p, deterministic, backend, tuning=""):
     return run_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                   alibi_slopes, dropout_p, deterministic, backend)
+                   alibi_slopes, dropout_p, deterministic, backend, tuning)
 
 
 def run_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-            dropout_p, deterministic, backend):
-    """flash_attn::fwd's computation, called by the op and by the eager path (``attention``)."""
+            dropout_p, deterministic, backend, tuning=""):
+    """flash_attn::fwd's computation, called by the op and by the eager path (``attention``).
+    ``tuning``: the private overrides of the kernels' automatic choices (``tuning_text``)."""
     # deterministic is a forward argument only so that setup_context can hand it to bwd.
     # rng_state: int64 [seed, offset] of the Philox stream the kernel drew the dropout mask
     # from, written by the kernel; zeros when nothing was drawn. The backward and
@@ -100,13 +116,13 @@ def run_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap, 
     # ~9 us here. It writes rng_state on every launch ([seed, offset], or zeros).
     out, lse, rng_state = extension().fwd(q, k, v, None, None, None, alibi_slopes,
                                           softmax_scale, causal, window_left, window_right,
-                                          softcap, dropout_p, backend)
+                                          softcap, dropout_p, backend, tuning)
     return out, lse, rng_state
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-              dropout_p, deterministic, backend):
+              dropout_p, deterministic, backend, tuning=""):
     batch, seqlen_q, nheads, _ = q.shape
     return (q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32),
             q.new_empty((2,), dtype=torch.int64))
@@ -119,15 +135,16 @@ def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap
     schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
            "Tensor rng_state, float softmax_scale, bool causal, int window_left, "
            "int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
-           "bool deterministic, str backend) -> (Tensor dq, Tensor dk, Tensor dv)")
+           "bool deterministic, str backend, str tuning=\"\") "
+           "-> (Tensor dq, Tensor dk, Tensor dv)")
 def bwd(dout, q, k, v, out, lse, rng_state, softmax_scale, causal, window_left, window_right,
-        softcap, alibi_slopes, dropout_p, deterministic, backend):
+        softcap, alibi_slopes, dropout_p, deterministic, backend, tuning=""):
     return run_bwd(dout, q, k, v, out, lse, rng_state, softmax_scale, causal, window_left,
-                   window_right, softcap, alibi_slopes, dropout_p, deterministic, backend)
+                   window_right, softcap, alibi_slopes, dropout_p, deterministic, backend, tuning)
 
 
 def run_bwd(dout, q, k, v, out, lse, rng_state, softmax_scale, causal, window_left, window_right,
-            softcap, alibi_slopes, dropout_p, deterministic, backend):
+            softcap, alibi_slopes, dropout_p, deterministic, backend, tuning=""):
     """flash_attn::bwd's computation, called by the op and by the eager path. ``backend`` is
     the family whose backward kernels run: fa2 for the gradient of an fa3 forward."""
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -139,21 +156,22 @@ def run_bwd(dout, q, k, v, out, lse, rng_state, softmax_scale, causal, window_le
         alibi_slopes = alibi_slopes.contiguous()
     extension().bwd(dout, q, k, v, out, lse, rng_state, dq, dk, dv, alibi_slopes, softmax_scale,
                     causal, window_left, window_right, softcap, dropout_p, deterministic,
-                    backend)
+                    backend, tuning)
     return dq, dk, dv
 
 
 @bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, rng_state, softmax_scale, causal, window_left,
-              window_right, softcap, alibi_slopes, dropout_p, deterministic, backend):
+              window_right, softcap, alibi_slopes, dropout_p, deterministic, backend, tuning=""):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 # ---- autograd ---------------------------------------------------------------------------------
 
 def _setup_context(ctx, inputs, output):
+    ctx.num_inputs = len(inputs)
     (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-     dropout_p, deterministic, backend) = inputs
+     dropout_p, deterministic, backend, *rest) = inputs
     out, lse, rng_state = output
     ctx.save_for_backward(q, k, v, out, lse, rng_state, alibi_slopes)
     ctx.softmax_scale = softmax_scale
@@ -164,6 +182,7 @@ def _setup_context(ctx, inputs, output):
     ctx.dropout_p = dropout_p
     ctx.deterministic = deterministic
     ctx.backend = backend   # the forward's family; _backward_with maps it to its backward's
+    ctx.tuning = rest[0] if rest else ""
     # The kernels have no gradient through the log-sum-exp (as in flash_attn 2.x): say so, rather
     # than let a loss on lse silently get a zero gradient. rng_state is bookkeeping.
     ctx.mark_non_differentiable(lse, rng_state)
@@ -178,9 +197,9 @@ def _backward_with(bwd_fn, ctx, dout):
     dq, dk, dv = bwd_fn(
         dout, q, k, v, out, lse, rng_state, ctx.softmax_scale, ctx.causal, ctx.window_left,
         ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, ctx.deterministic,
-        build_matrix.backward_family(ctx.backend))
+        build_matrix.backward_family(ctx.backend), ctx.tuning)
     # No gradient for the scalars, and none for alibi_slopes (as in flash_attn 2.x).
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
 def _backward(ctx, dout, _dlse, _drng_state):
@@ -211,12 +230,12 @@ class _Attention(torch.autograd.Function):
 
 
 def attention(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-              dropout_p, deterministic, backend):
+              dropout_p, deterministic, backend, tuning=""):
     """(out, lse, rng_state) with autograd, as ``torch.ops.flash_attn.fwd``. The registered op
     runs whenever something must see through the call (torch.compile, fake or wrapped tensors,
     functorch transforms); plain eager calls take the direct path."""
     args = (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
-            dropout_p, deterministic, backend)
+            dropout_p, deterministic, backend, tuning)
     if (torch.compiler.is_compiling() or type(q) is not torch.Tensor
             or type(k) is not torch.Tensor or type(v) is not torch.Tensor
             or torch._C._are_functorch_transforms_active()):

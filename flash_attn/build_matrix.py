@@ -277,7 +277,8 @@ _INSTANTIATION = """\
 // parallelise and a trimmed matrix compiles only what it names.
 #include "{family}/{family}_{direction}_launch.cuh"
 
-template void flash::{family}::run_{direction}<{cxx_type}, {hdim}>(const flash::{Params}&, cudaStream_t);
+template void flash::{family}::run_{direction}<{cxx_type}, {hdim}>(
+    const flash::{Params}&, const flash::{family}::{Plan}&, cudaStream_t);
 """
 
 _TABLE_HEADER = """\
@@ -308,7 +309,8 @@ def write_sources(out_dir: str | os.PathLike, configs: Iterable[Config], archs: 
         path = out / f"{c.stem}.cu"
         put(path, _INSTANTIATION.format(
             family=c.family, direction=c.direction, cxx_type=CXX_TYPE[c.dtype], hdim=c.hdim,
-            Params="FwdParams" if c.direction == "fwd" else "BwdParams"))
+            Params="FwdParams" if c.direction == "fwd" else "BwdParams",
+            Plan="FwdPlan" if c.direction == "fwd" else "BwdPlan"))
         paths.append(str(path))
     lines = [_TABLE_HEADER]
     for c in configs:

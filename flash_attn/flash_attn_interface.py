@@ -24,7 +24,7 @@ from . import _dispatch, _ops, _validate, reference
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, backend, names):
+               deterministic, return_attn_probs, backend, names, tuning=None):
     call = _validate.validate_call(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                                    causal=causal, window_size=window_size, softcap=softcap,
                                    alibi_slopes=alibi_slopes, names=names)
@@ -54,7 +54,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     window_left, window_right = call.window
     out, lse, rng_state = _ops.attention(
         q, k, v, softmax_scale, call.causal, window_left, window_right, softcap,
-        alibi_slopes, dropout_p, bool(deterministic), family)
+        alibi_slopes, dropout_p, bool(deterministic), family, _ops.tuning_text(tuning))
     if pad:
         out = out.narrow(-1, 0, head_dim)
     if not return_attn_probs:
@@ -96,7 +96,8 @@ def _attn_probs(q, k, call, softcap, alibi_slopes, dropout_p, rng_state):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, backend: Optional[str] = None):
+                    return_attn_probs=False, *, backend: Optional[str] = None,
+                    _tuning: Optional[dict] = None):
     """Scaled dot-product attention, flash_attn 2.x semantics.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim), fp16 or
@@ -118,9 +119,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     S_dmask None when dropout_p == 0, else (batch, nheads, seqlen_q, seqlen_k) in q's dtype:
     the attention probabilities before dropout, negated where dropout dropped them. S_dmask is
     for testing only (as in 2.x): it materialises seqlen_q x seqlen_k, computed in PyTorch.
+
+    ``_tuning`` is private: overrides of the kernels' automatic choices (a dict such as
+    ``{"fa3_narrow": 0}``; csrc/common/tuning.h lists them) for tests and A/B benchmarks. No
+    promise is made about it across versions.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, backend, ("q", "k", "v"))
+                      alibi_slopes, deterministic, return_attn_probs, backend, ("q", "k", "v"),
+                      _tuning)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,

@@ -242,7 +242,7 @@ class FakeExtension(types.ModuleType):
                                  dropout_p)
 
     def fwd(self, q, k, v, out, lse, rng_state, alibi_slopes, softmax_scale, causal,
-            window_left, window_right, softcap, dropout_p, family):
+            window_left, window_right, softcap, dropout_p, family, tuning=""):
         # As the extension: None allocates the output; returns (out, lse, rng_state).
         if out is None:
             out = q.new_empty(q.shape)
@@ -271,7 +271,8 @@ class FakeExtension(types.ModuleType):
         return out, lse, rng_state
 
     def bwd(self, dout, q, k, v, out, lse, rng_state, dq, dk, dv, alibi_slopes, softmax_scale,
-            causal, window_left, window_right, softcap, dropout_p, deterministic, family):
+            causal, window_left, window_right, softcap, dropout_p, deterministic, family,
+            tuning=""):
         self.calls.append(("bwd", family, tuple(q.shape), softmax_scale, causal,
                            (window_left, window_right), softcap, alibi_slopes, dropout_p,
                            deterministic))

@@ -336,8 +336,10 @@ def test_write_sources(tmp_path):
         text = (tmp_path / "gen" / f"{c.stem}.cu").read_text()
         assert f'#include "{c.family}/{c.family}_{c.direction}_launch.cuh"' in text
         params = "FwdParams" if c.direction == "fwd" else "BwdParams"
+        plan = "FwdPlan" if c.direction == "fwd" else "BwdPlan"
         assert (f"template void flash::{c.family}::run_{c.direction}<{M.CXX_TYPE[c.dtype]}, "
-                f"{c.hdim}>(const flash::{params}&, cudaStream_t);") in text
+                f"{c.hdim}>(\n    const flash::{params}&, const flash::{c.family}::{plan}&, "
+                "cudaStream_t);") in text
     table = (tmp_path / "gen" / "dispatch_table.inc").read_text()
     assert "max_arch (0: none)" in table
     rows = re.findall(r"^FLASH_CONFIG\((\w+), (\w+), (\w+), (\w+), (\d+), (\d+), (\d+)\)$",

@@ -52,18 +52,20 @@ def _seed(request):
 
 # ---- helpers ----------------------------------------------------------------------------------
 
-def fa2(attn, backend=BACKEND, deterministic=False):
+def fa2(attn, backend=BACKEND, deterministic=False, tuning=None):
+    """flash_attn_func with attn; tuning: the private overrides of the launchers' choices."""
     def call(q, k, v):
         return flash_attn.flash_attn_func(q, k, v, deterministic=deterministic,
-                                          return_attn_probs=True, backend=backend, **attn)
+                                          return_attn_probs=True, backend=backend, **attn,
+                                          _tuning=tuning)
     return call
 
 
-def run_case(b, sq, sk, h, hk, d, dtype, spec=None, deterministic=False):
+def run_case(b, sq, sk, h, hk, d, dtype, spec=None, deterministic=False, tuning=None):
     skip_unless_built(BACKEND, dtype, d)
     attn = attn_args(spec or {}, b, h)
-    return check(qkv(b, sq, sk, h, hk, d, dtype), "qkv", dtype, fa2(attn, BACKEND, deterministic),
-                 attn)
+    return check(qkv(b, sq, sk, h, hk, d, dtype), "qkv", dtype,
+                 fa2(attn, BACKEND, deterministic, tuning), attn)
 
 
 def op_args(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -115,7 +117,7 @@ def test_seqlens(sq, sk, d, causal, dtype):
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_tile_order_partial_last_group(causal):
     """Blocks take (tile, head) items in groups of heads sized to fill the GPU once
-    (fa2_tile_order.h). At 4k with 2 x 11 = 22 (batch, head) pairs, on a 132-SM H100, the
+    (common/tile_order.h). At 4k with 2 x 11 = 22 (batch, head) pairs, on a 132-SM H100, the
     forward's groups are 9 heads (264 resident blocks / 32 query tiles) and the backward's 5
     (132 / 32 key tiles): neither divides 22, so the last group is partial and every item
     decodes through both divisors."""
@@ -425,45 +427,32 @@ def test_deterministic_backward_with_dropout():
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk,h,hk,d", [(1023, 1024, 6, 2, 64), (239, 517, 4, 4, 128),
                                           (300, 300, 2, 2, 192)])
-def test_dq_reds_path(sq, sk, h, hk, d, causal, dtype, monkeypatch):
+def test_dq_reds_path(sq, sk, h, hk, d, causal, dtype):
     """On sm90 the non-deterministic backward adds dQ tiles with bulk reductions; with
-    FLASH_ATTN_FA2_BWD_DQ_BULK=0 it takes the per-fragment reds (the path of sm80 and of
-    deterministic=True). Both paths must pass the rule."""
-    monkeypatch.setenv("FLASH_ATTN_FA2_BWD_DQ_BULK", "0")
-    run_case(2, sq, sk, h, hk, d, dtype, dict(causal=causal))
+    fa2_dq_bulk=0 it takes the per-fragment reds (the path of sm80 and of deterministic=True).
+    Both paths must pass the rule."""
+    run_case(2, sq, sk, h, hk, d, dtype, dict(causal=causal), tuning=dict(fa2_dq_bulk=0))
 
 
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("sq,sk,h,hk,d", [(1023, 1024, 6, 2, 128), (239, 517, 4, 4, 256),
                                           (300, 300, 2, 2, 96)])
-def test_dq_reds_not_deferred(sq, sk, h, hk, d, causal, monkeypatch):
+def test_dq_reds_not_deferred(sq, sk, h, hk, d, causal):
     """The reds of dQ's last chunk are spread over dK's GEMM by default (the other tests);
-    FLASH_ATTN_FA2_BWD_DQ_DEFER=0 issues them together after the dQ GEMM."""
-    monkeypatch.setenv("FLASH_ATTN_FA2_BWD_DQ_DEFER", "0")
-    run_case(2, sq, sk, h, hk, d, torch.bfloat16, dict(causal=causal))
+    fa2_dq_defer=0 issues them together after the dQ GEMM (the deterministic path)."""
+    run_case(2, sq, sk, h, hk, d, torch.bfloat16, dict(causal=causal),
+             tuning=dict(fa2_dq_defer=0))
 
 
-@pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("sq,sk,h,hk,d", [(1023, 1024, 6, 2, 256), (239, 517, 4, 4, 224),
-                                          (70, 3, 3, 1, 256)])
-def test_fwd_v_not_early(sq, sk, h, hk, d, causal, monkeypatch):
-    """The one-stage forward (hdim 256 on sm90) loads its first V tile with Q and K by default
-    (the other tests); FLASH_ATTN_FA2_FWD_V_EARLY=0 loads it once they have landed, like the
-    later tiles."""
-    monkeypatch.setenv("FLASH_ATTN_FA2_FWD_V_EARLY", "0")
-    run_case(2, sq, sk, h, hk, d, torch.bfloat16, dict(causal=causal))
-
-
-@pytest.mark.parametrize("mode", ["0", "1"])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("sq,sk,h,hk,d", [(1023, 1024, 6, 2, 64), (239, 517, 4, 4, 128)])
-def test_bwd_chain_modes(sq, sk, h, hk, d, deterministic, mode, monkeypatch):
-    """The backward's kernel chain (FLASH_ATTN_FA2_BWD_PDL): every other test runs the default
-    (the preprocess zeroes dQ's scratch and its counters; on sm90 the later kernels are
-    launched with programmatic dependent launch). 0 (a memset) and 1 (no pdl) must pass the
-    rule too, on scratch the poisoned allocator has filled."""
-    monkeypatch.setenv("FLASH_ATTN_FA2_BWD_PDL", mode)
-    run_case(2, sq, sk, h, hk, d, torch.bfloat16, dict(causal=True), deterministic=deterministic)
+def test_bwd_chain_without_pdl(sq, sk, h, hk, d, deterministic):
+    """The backward's kernel chain: on sm90 the main kernel and the dQ conversion are launched
+    with programmatic dependent launch (the other tests); fa2_pdl=0 gives the plain launches
+    of the other GPUs, which must pass the rule too, on scratch the poisoned allocator filled
+    (the preprocess zeroes it either way)."""
+    run_case(2, sq, sk, h, hk, d, torch.bfloat16, dict(causal=True), deterministic=deterministic,
+             tuning=dict(fa2_pdl=0))
 
 
 # ---- 7. fa1 and fa2 on the same inputs --------------------------------------------------------

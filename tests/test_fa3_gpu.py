@@ -32,17 +32,20 @@ pytestmark = requires_backend("fa3")
 
 BACKEND = "fa3"
 DTYPES = dtype_params()
+# The cluster kernel on every full-attention call (stream-K, which takes calls with few items
+# first, off).
+CLUSTER = dict(fa3_cluster=1, fa3_stream_k=0)
 CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
-# FLASH_ATTN_FA3_NARROW: unset (the automatic choice of tile) or 0 (the wide tile unless it pads
-# more; fa3_tiles.h, narrow_pays).
-TILE_RULES = [pytest.param("", id="auto"), pytest.param("0", id="wide")]
+# The tile choice: automatic, or fa3_narrow=0 (the wide tile unless it pads more; fa3_plan.h,
+# narrow_pays), through the private _tuning overrides.
+TILE_RULES = [pytest.param({}, id="auto"), pytest.param(dict(fa3_narrow=0), id="wide")]
 
-# Around the tiles (fa3_tiles.h): hdim 64-128 run 192 query rows per CTA, or 128 where 192
+# Around the tiles (fa3_plan.h): hdim 64-128 run 192 query rows per CTA, or 128 where 192
 # would leave a lone busy consumer warpgroup (narrow_pads_less: here 193, 239 and 256; the rest
 # wide, with one or two consumers idle in the last tile: 1, 113, 128, 129, 1023) or where the
 # 128-row items are few enough to fill the GPU (narrow_fills: every shape below at 2 x 4 heads,
 # full attention, or causal with seqlen_k <= 2k); 128 rows at hdim 192 / 256. kBlockN 128
-# (hdim 64-128), 112 (192), 80 (256). FLASH_ATTN_FA3_NARROW=0 keeps only the padding rule, so
+# (hdim 64-128), 112 (192), 80 (256). fa3_narrow=0 keeps only the padding rule, so
 # the "wide" cases run the three-consumer tile on these small shapes.
 SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (129, 80), (239, 1), (256, 512),
            (191, 385), (193, 383), (384, 129), (799, 3), (1023, 1024), (2048, 2048)]
@@ -66,17 +69,18 @@ def skip_unless_built(dtype, head_dim):
                         f"for head dim {head_dim}")
 
 
-def fa(attn, backend=BACKEND):
+def fa(attn, backend=BACKEND, tuning=None):
+    """flash_attn_func with attn; tuning: the private overrides of the launcher's choices."""
     def call(q, k, v):
         return flash_attn.flash_attn_func(q, k, v, return_attn_probs=True, backend=backend,
-                                          **attn)
+                                          **attn, _tuning=tuning)
     return call
 
 
-def run_case(b, sq, sk, h, hk, d, dtype, spec=None):
+def run_case(b, sq, sk, h, hk, d, dtype, spec=None, tuning=None):
     skip_unless_built(dtype, d)
     attn = attn_args(spec or {}, b, h)
-    return check(qkv(b, sq, sk, h, hk, d, dtype), "qkv", dtype, fa(attn), attn)
+    return check(qkv(b, sq, sk, h, hk, d, dtype), "qkv", dtype, fa(attn, tuning=tuning), attn)
 
 
 # ---- 1. shapes --------------------------------------------------------------------------------
@@ -86,9 +90,8 @@ def run_case(b, sq, sk, h, hk, d, dtype, spec=None):
 @pytest.mark.parametrize("tiles", TILE_RULES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq,sk", SEQLENS)
-def test_seqlens(sq, sk, d, tiles, causal, dtype, monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_FA3_NARROW", tiles)
-    run_case(2, sq, sk, 4, 4, d, dtype, dict(causal=causal))
+def test_seqlens(sq, sk, d, tiles, causal, dtype):
+    run_case(2, sq, sk, 4, 4, d, dtype, dict(causal=causal), tuning=tiles)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -99,23 +102,21 @@ def test_seqlens(sq, sk, d, tiles, causal, dtype, monkeypatch):
 @pytest.mark.parametrize("d,tiles", [pytest.param(d, t.values[0], id=f"{d}-{t.id}")
                                      for d in OTHER_HEAD_DIMS
                                      for t in (TILE_RULES if d <= 128 else TILE_RULES[:1])])
-def test_head_dims(d, tiles, sq, sk, h, hk, causal, dtype, monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_FA3_NARROW", tiles)
-    run_case(2, sq, sk, h, hk, d, dtype, dict(causal=causal))
+def test_head_dims(d, tiles, sq, sk, h, hk, causal, dtype):
+    run_case(2, sq, sk, h, hk, d, dtype, dict(causal=causal), tuning=tiles)
 
 
 # Full attention at hdim 256 runs in clusters of two CTAs on neighbouring query tiles that
-# share their K / V loads, where the items are long and fill the GPU (fa3_tiles.h, cluster_pays:
-# seqlen_k >= 2048 and two (query tile, head, batch) items per SM). FLASH_ATTN_FA3_CLUSTER=1
-# runs them on every full-attention call, so the awkward shapes cover the cluster kernel; an
+# share their K / V loads, where the items are long and fill the GPU (fa3_plan.h, cluster_pays:
+# seqlen_k >= 2048 and two (query tile, head, batch) items per SM). fa3_cluster=1 runs them on
+# every full-attention call, so the awkward shapes cover the cluster kernel; an
 # odd number of query tiles leaves the last cluster's second CTA without rows, which still
 # loads its half of every K / V tile.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sq,sk", SEQLENS)
-def test_cluster_seqlens(sq, sk, dtype, monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_FA3_CLUSTER", "1")
-    monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", "0")  # which takes few items first
-    run_case(2, sq, sk, 4, 2, 256, dtype)
+def test_cluster_seqlens(sq, sk, dtype):
+    # (fa3_stream_k=0: stream-K takes calls with few items first)
+    run_case(2, sq, sk, 4, 2, 256, dtype, tuning=CLUSTER)
 
 
 def cluster_heads(sq, b, hk):
@@ -127,24 +128,22 @@ def cluster_heads(sq, b, hk):
 
 # The automatic choice (unset) and the one-CTA kernel (0) on shapes where the rule picks clusters.
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("switch", ["", "0"], ids=["auto", "off"])
+@pytest.mark.parametrize("tuning", [{}, dict(fa3_cluster=0)], ids=["auto", "off"])
 @pytest.mark.parametrize("sq,sk", [(300, 2048), (1000, 4097)])
-def test_cluster_rule(sq, sk, switch, dtype, monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_FA3_CLUSTER", switch)
-    run_case(2, sq, sk, cluster_heads(sq, 2, 2), 2, 256, dtype)
+def test_cluster_rule(sq, sk, tuning, dtype):
+    run_case(2, sq, sk, cluster_heads(sq, 2, 2), 2, 256, dtype, tuning=tuning)
 
 
-# Full attention with few items runs stream-K (fa3.h, stream_k_workers; every head dim's kernel):
-# the items cut into pieces of key tiles on more CTAs, each cut item's pieces merged by the one
-# that finishes last. FLASH_ATTN_FA3_STREAM_K=1 runs it on every full-attention call, so the
+# Full attention with few items runs stream-K (fa3_plan.h, stream_k_workers; every head dim's
+# kernel): the items cut into pieces of key tiles on more CTAs, each cut item's pieces merged by
+# the one that finishes last. fa3_stream_k=1 runs it on every full-attention call, so the
 # awkward shapes cover it (also the many-item ones, whose items past the static stride's
 # lattice are cut, and the tiny ones, where nothing is cut).
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("sq,sk", SEQLENS)
-def test_stream_k_seqlens(sq, sk, d, dtype, monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", "1")
-    run_case(2, sq, sk, 4, 2, d, dtype)
+def test_stream_k_seqlens(sq, sk, d, dtype):
+    run_case(2, sq, sk, 4, 2, d, dtype, tuning=dict(fa3_stream_k=1))
 
 
 # Shapes the rule sends to stream-K (unset) or not (0): decode steps (one query row: the second
@@ -152,7 +151,7 @@ def test_stream_k_seqlens(sq, sk, d, dtype, monkeypatch):
 # pieces (2 items x 63 key tiles), keys that end inside a tile; and a decode step the rule
 # leaves to the plain kernel (12 items x 10 key tiles: pieces of fewer than six).
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("switch", ["", "0"], ids=["auto", "off"])
+@pytest.mark.parametrize("tuning", [{}, dict(fa3_stream_k=0)], ids=["auto", "off"])
 @pytest.mark.parametrize("b,sq,sk,h,hk,d", [(1, 1, 4096, 16, 4, 256), (1, 64, 5000, 2, 2, 256),
                                             (2, 200, 3000, 3, 1, 224), (1, 512, 4100, 8, 8, 256),
                                             (3, 1, 777, 4, 2, 256), (1, 1, 4096, 32, 8, 128),
@@ -163,9 +162,8 @@ def test_stream_k_seqlens(sq, sk, d, dtype, monkeypatch):
                          ids=["decode-gqa", "2-items", "mqa-d224", "512x4100", "decode-777",
                               "decode-gqa-d128", "128x8192-d128", "mqa-d112", "decode-gqa-d64",
                               "mqa-d40", "decode-d96", "decode-gqa-d192", "300x6000-d160"])
-def test_stream_k_rule(b, sq, sk, h, hk, d, switch, dtype, monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", switch)
-    run_case(b, sq, sk, h, hk, d, dtype)
+def test_stream_k_rule(b, sq, sk, h, hk, d, tuning, dtype):
+    run_case(b, sq, sk, h, hk, d, dtype, tuning=tuning)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -270,15 +268,13 @@ def test_logit_jumps(sq, sk, d, jump, causal, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_logit_jumps_cluster(dtype, monkeypatch):
+def test_logit_jumps_cluster(dtype):
     """The same in the 2-CTA cluster kernel (hdim 256 full attention)."""
-    monkeypatch.setenv("FLASH_ATTN_FA3_CLUSTER", "1")
-    monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", "0")
     skip_unless_built(dtype, 256)
     for jump in (8.0, 60.0):
         q, k, v = qkv(2, 1023, 1500, 4, 2, 256, dtype)
         k[:, :100] *= jump
-        check((q, k, v), "qkv", dtype, fa({}), {})
+        check((q, k, v), "qkv", dtype, fa({}, tuning=CLUSTER), {})
 
 
 # ---- 4. fa3 against fa2 -----------------------------------------------------------------------
@@ -387,8 +383,8 @@ def test_forced_fa3_with_dropout_is_an_error():
     pytest.param(2, 33, 300, 4, 2, 256, dict(window_size=(16, 8)), id="window-d256"),
     pytest.param(1, 130, 70, 3, 3, 192, dict(causal=True, window_size=(9, -1), alibi="per-head"),
                  id="local-sq>sk-d192"),
-    # The wide (three-consumer) tiles (FLASH_ATTN_FA3_NARROW=0 below: small shapes run the
-    # narrow ones, whose items fill the GPU).
+    # The wide (three-consumer) tiles (fa3_narrow=0 below: small shapes run the narrow ones,
+    # whose items fill the GPU).
     pytest.param(1, 191, 385, 4, 2, 64, dict(causal=True), id="wide-causal-gqa-d64"),
     pytest.param(1, 384, 129, 2, 2, 96, dict(softcap=5.0), id="wide-softcap-d96"),
     pytest.param(1, 300, 200, 3, 3, 128, dict(causal=True), id="wide-causal-sq>sk-d128"),
@@ -397,19 +393,16 @@ def test_forced_fa3_with_dropout_is_an_error():
     # the O rescale apart (synccheck flagged the wait while it sat in the rescale's branch).
     pytest.param(1, 1000, 300, 2, 1, 256, dict(causal=True), id="causal-sq>sk-d256"),
 ])
-def test_sanitize_small_fa3(b, sq, sk, h, hk, d, spec, dtype, request, monkeypatch):
+def test_sanitize_small_fa3(b, sq, sk, h, hk, d, spec, dtype, request):
     wide = request.node.callspec.id.startswith("wide-")
-    monkeypatch.setenv("FLASH_ATTN_FA3_NARROW", "0" if wide else "")
-    run_case(b, sq, sk, h, hk, d, dtype, spec)
+    run_case(b, sq, sk, h, hk, d, dtype, spec, tuning=dict(fa3_narrow=0) if wide else None)
 
 
 # Full attention at hdim 256 in 2-CTA clusters (K / V multicast), forced on a small shape; 300
 # rows are three query tiles, so the second cluster's second CTA has no rows.
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sanitize_small_fa3_cluster(dtype, monkeypatch):
-    monkeypatch.setenv("FLASH_ATTN_FA3_CLUSTER", "1")
-    monkeypatch.setenv("FLASH_ATTN_FA3_STREAM_K", "0")
-    run_case(2, 300, 200, 4, 2, 256, dtype)
+def test_sanitize_small_fa3_cluster(dtype):
+    run_case(2, 300, 200, 4, 2, 256, dtype, tuning=CLUSTER)
 
 
 # Stream-K on a small shape the rule picks: at hdim 256 2 items x 19 key tiles on 6 CTAs, three
@@ -417,6 +410,5 @@ def test_sanitize_small_fa3_cluster(dtype, monkeypatch):
 # 16 on 5; 64 query rows, so the second consumer has none.
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [64, 128, 192, 256])
-def test_sanitize_small_fa3_stream_k(d, dtype, monkeypatch):
-    monkeypatch.delenv("FLASH_ATTN_FA3_STREAM_K", raising=False)
+def test_sanitize_small_fa3_stream_k(d, dtype):
     run_case(1, 64, 3000 if d == 64 else 1500, 2, 1, d, dtype)

@@ -23,13 +23,13 @@ def test_schemas():
     assert str(torch.ops.flash_attn.fwd.default._schema) == (
         "flash_attn::fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
         "int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
-        "float dropout_p, bool deterministic, str backend) "
+        "float dropout_p, bool deterministic, str backend, str tuning=\"\") "
         "-> (Tensor out, Tensor lse, Tensor rng_state)")
     assert str(torch.ops.flash_attn.bwd.default._schema) == (
         "flash_attn::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor rng_state, float softmax_scale, bool causal, int window_left, "
         "int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
-        "bool deterministic, str backend) -> (Tensor dq, Tensor dk, Tensor dv)")
+        "bool deterministic, str backend, str tuning=\"\") -> (Tensor dq, Tensor dk, Tensor dv)")
     assert str(torch.ops.flash_attn.dropout_mask.default._schema) == (
         "flash_attn::dropout_mask(Tensor rng_state, int batch, int nheads, int seqlen_q, "
         "int seqlen_k, float dropout_p) -> Tensor")
@@ -51,7 +51,8 @@ def test_signature_is_2x_plus_backend(name, positional):
     got = [(p.name, p.default) for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert got == [(n, EMPTY) for n in positional] + _COMMON
     extra = [(p.name, p.kind, p.default) for p in params if p.kind != p.POSITIONAL_OR_KEYWORD]
-    assert extra == [("backend", inspect.Parameter.KEYWORD_ONLY, None)]
+    private = [("_tuning", inspect.Parameter.KEYWORD_ONLY, None)] if name == "flash_attn_func" else []
+    assert extra == [("backend", inspect.Parameter.KEYWORD_ONLY, None)] + private
 
 
 @pytest.mark.parametrize("name,params", [

@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -23,6 +22,7 @@
 
 #include "common/dropout_mask.h"
 #include "common/params.h"
+#include "common/tuning.h"
 #include "fa1/fa1.h"
 #include "fa2/fa2.h"
 #include "fa3/fa3.h"
@@ -46,8 +46,31 @@ std::string shape(at::IntArrayRef sizes) {
   return out + ")";
 }
 
-using FwdFn = void (*)(const flash::FwdParams&, cudaStream_t);
-using BwdFn = void (*)(const flash::BwdParams&, cudaStream_t);
+// Scratch for one call, from PyTorch's caching allocator (no device synchronisation).
+at::Tensor alloc_workspace(flash::FwdParams& p, int64_t bytes, const at::Tensor& like) {
+  at::Tensor workspace = at::empty({bytes}, like.options().dtype(at::kByte));
+  p.workspace = workspace.data_ptr();
+  p.workspace_bytes = bytes;
+  return workspace;
+}
+
+// One call of a family's kernel, through the host interface every family has (fa*/fa*.h):
+// refuse what it cannot run, plan the call once, allocate the plan's workspace, launch.
+template <class F> struct ParamsOf;
+template <class Params> struct ParamsOf<const char* (*)(const Params&)> { using type = Params; };
+
+template <auto kUnsupported, auto kPlan, auto kRun>
+void call(typename ParamsOf<decltype(kUnsupported)>::type& p, int kernel_hdim,
+          const flash::Tuning& tuning, const at::Tensor& like) {
+  if (const char* why = kUnsupported(p)) TORCH_CHECK(false, "flash_attn: ", why);
+  const auto plan = kPlan(p, kernel_hdim, tuning);
+  at::Tensor workspace;  // lives until the launch is queued; the allocator orders its reuse
+  if (plan.workspace_bytes > 0) workspace = alloc_workspace(p, plan.workspace_bytes, like);
+  kRun(p, plan, c10::cuda::getCurrentCUDAStream().stream());
+}
+
+using FwdFn = void (*)(flash::FwdParams&, int, const flash::Tuning&, const at::Tensor&);
+using BwdFn = void (*)(flash::BwdParams&, int, const flash::Tuning&, const at::Tensor&);
 
 struct Kernel {
   std::string family, direction, dtype;
@@ -68,8 +91,10 @@ Kernel entry(const char* family, const char* dir, const char* dtype, int hdim, i
 
 const std::vector<Kernel>& kernels() {
   static const std::vector<Kernel> table = {
-#define FLASH_CONFIG(family, dir, cxx_type, dtype, hdim, min_arch, max_arch) \
-  entry(#family, #dir, #dtype, hdim, min_arch, max_arch, &flash::family::run_##dir<cxx_type, hdim>),
+#define FLASH_CONFIG(family, dir, cxx_type, dtype, hdim, min_arch, max_arch)          \
+  entry(#family, #dir, #dtype, hdim, min_arch, max_arch,                               \
+        &call<&flash::family::dir##_unsupported, &flash::family::plan_##dir,           \
+              &flash::family::run_##dir<cxx_type, hdim>>),
 #include "generated/dispatch_table.inc"
 #undef FLASH_CONFIG
   };
@@ -275,26 +300,47 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
   p.num_sms = info.num_sms;
   p.arch = info.arch;
   p.l2_bytes = info.l2_bytes;
-  // Tuning knob for benchmarks (README): Q tiles per FA1 forward block, 0 or unset = automatic.
-  static const int q_tiles = [] {
-    const char* env = std::getenv("FLASH_ATTN_FA1_Q_TILES");
-    return env ? std::atoi(env) : 0;
-  }();
-  p.q_tiles_per_block = q_tiles;
 }
 
-// FA1 knows causal and GQA only, FA3 everything but dropout; the frontend never sends them more
-// (dispatch picks fa2).
-void check_family_features(const std::string& family, const flash::FwdParams& p) {
-  if (family == "fa3") {
-    TORCH_CHECK(p.dropout_p == 0.f, "flash_attn: fa3 does not support dropout; fa2 runs it");
-    return;
+// The private `_tuning` of the Python functions, "name=value,..." (flash_attn/_ops.py): overrides
+// of the families' automatic choices for tests and A/B runs (common/tuning.h). Empty: none.
+flash::Tuning parse_tuning(const std::string& text) {
+  flash::Tuning t;
+  if (text.empty()) return t;
+  struct Field {
+    const char* name;
+    int64_t flash::Tuning::*wide;
+    int flash::Tuning::*narrow;
+  };
+  static const Field fields[] = {
+      {"fa3_stream_k", nullptr, &flash::Tuning::fa3_stream_k},
+      {"fa3_cluster", nullptr, &flash::Tuning::fa3_cluster},
+      {"fa3_narrow", nullptr, &flash::Tuning::fa3_narrow},
+      {"fa3_ctas", &flash::Tuning::fa3_ctas, nullptr},
+      {"fa2_dq_bulk", nullptr, &flash::Tuning::fa2_dq_bulk},
+      {"fa2_dq_defer", nullptr, &flash::Tuning::fa2_dq_defer},
+      {"fa2_pdl", nullptr, &flash::Tuning::fa2_pdl},
+      {"head_group", nullptr, &flash::Tuning::head_group},
+      {"fa1_q_tiles", nullptr, &flash::Tuning::fa1_q_tiles},
+  };
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t end = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, end - at);
+    at = end + 1;
+    const size_t eq = item.find('=');
+    const std::string name = item.substr(0, eq);
+    const Field* field = nullptr;
+    for (const Field& f : fields) field = name == f.name ? &f : field;
+    std::string known;
+    for (const Field& f : fields) known += std::string(known.empty() ? "" : ", ") + f.name;
+    TORCH_CHECK(field != nullptr && eq != std::string::npos, "flash_attn: _tuning: unknown ",
+                "entry '", item, "'; known: ", known);
+    const int64_t value = std::stoll(item.substr(eq + 1));
+    if (field->wide != nullptr) t.*(field->wide) = value;
+    if (field->narrow != nullptr) t.*(field->narrow) = int(value);
   }
-  if (family != "fa1") return;
-  const bool local = p.window_left >= 0 || (p.window_right >= 0 && !p.causal);
-  TORCH_CHECK(!local && p.softcap == 0.f && p.alibi_slopes == nullptr && p.dropout_p == 0.f,
-              "flash_attn: fa1 supports causal and GQA only, not a window, softcap, ALiBi or "
-              "dropout; fa2 runs them");
+  return t;
 }
 
 void check_rng_state(const at::Tensor& rng_state, const at::Tensor& q) {
@@ -331,14 +377,6 @@ void take_philox(flash::FwdParams& p, const at::Tensor& q) {
   }
 }
 
-// Scratch for one call, from PyTorch's caching allocator (no device synchronisation).
-at::Tensor alloc_workspace(flash::FwdParams& p, int64_t bytes, const at::Tensor& like) {
-  at::Tensor workspace = at::empty({bytes}, like.options().dtype(at::kByte));
-  p.workspace = workspace.data_ptr();
-  p.workspace_bytes = bytes;
-  return workspace;
-}
-
 void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   check_qkv_like(q, "q", q);
   check_qkv_like(k, "k", q);
@@ -368,15 +406,14 @@ void check_lse(const at::Tensor& lse, const at::Tensor& q) {
 
 // out, lse and rng_state are the caller's tensors to write, or None: then this allocates them
 // (out contiguous in q's shape and dtype, lse float32 (batch, heads, seqlen_q), rng_state int64
-// (2,)): 2-4 us of host time here against ~9 us for the three allocations in Python, whose
-// run_fwd went from 37 to 30 us a decode call and from 34 to 23 us at 1 x 2k x 8 heads (H200
-// host, fa3_notes.md, session 23). Returns (out, lse, rng_state).
+// (2,)): 2-4 us of host time here against ~9 us for the three allocations in Python (a decode
+// call's host time went from 37 to 30 us). Returns (out, lse, rng_state).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& out_arg, const std::optional<at::Tensor>& lse_arg,
     const std::optional<at::Tensor>& rng_state_arg, const std::optional<at::Tensor>& alibi_slopes,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    double softcap, double dropout_p, const std::string& family) {
+    double softcap, double dropout_p, const std::string& family, const std::string& tuning) {
   check_shapes(q, k, v);
   at::Tensor out = out_arg ? *out_arg : at::empty(q.sizes(), q.options());
   at::Tensor lse = lse_arg ? *lse_arg
@@ -403,20 +440,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   flash::FwdParams p;
   fill_fwd(p, q, k, v, out, lse, softmax_scale,
            {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
-  check_family_features(family, p);
   p.rng_state = rng_state.data_ptr<int64_t>();  // the kernel writes [seed, offset] when dropping
   if (p.dropout_p > 0.f) take_philox(p, q);
   // Nothing drawn: rng_state is zeros. fa3's kernel writes them itself, which keeps a fill
-  // kernel off a small call's path (1 us of 20-35 us, fa3_notes.md, session 22).
+  // kernel off a small call's path (1 us of 20-35 us).
   if (p.dropout_p == 0.f && family != "fa3") rng_state.zero_();
-  at::Tensor workspace;
-  if (family == "fa1") {
-    workspace = alloc_workspace(
-        p, flash::fa1::fwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kernel.hdim), q);
-  } else if (family == "fa3") {
-    workspace = alloc_workspace(p, flash::fa3::fwd_workspace_bytes(p, kernel.hdim), q);
-  }
-  kernel.fwd(p, c10::cuda::getCurrentCUDAStream().stream());
+  kernel.fwd(p, kernel.hdim, parse_tuning(tuning), q);
   return result;
 }
 
@@ -425,7 +454,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
          at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
          const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
          int64_t window_left, int64_t window_right, double softcap, double dropout_p,
-         bool deterministic, const std::string& family) {
+         bool deterministic, const std::string& family, const std::string& tuning) {
   check_shapes(q, k, v);
   check_qkv_like(out, "out", q);
   check_qkv_like(dout, "dout", q);
@@ -450,7 +479,6 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   flash::BwdParams p;
   fill_fwd(p, q, k, v, out, lse, softmax_scale,
            {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
-  check_family_features(family, p);
   p.dout = dout.data_ptr();
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
@@ -469,14 +497,7 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
     p.philox.offset_ptr = state + 1;
     p.philox.offset_intragraph = 0;
   }
-  at::Tensor workspace;
-  if (family == "fa1") {
-    workspace = alloc_workspace(
-        p, flash::fa1::bwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kernel.hdim), q);
-  } else if (family == "fa2") {
-    workspace = alloc_workspace(p, flash::fa2::bwd_workspace_bytes(p, kernel.hdim), q);
-  }
-  kernel.bwd(p, c10::cuda::getCurrentCUDAStream().stream());
+  kernel.bwd(p, kernel.hdim, parse_tuning(tuning), q);
 }
 
 // The keep-mask of the forward that wrote rng_state, for return_attn_probs and the tests:
@@ -521,13 +542,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
         py::arg("rng_state"), py::arg("alibi_slopes"), py::arg("softmax_scale"),
         py::arg("causal"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
-        py::arg("dropout_p"), py::arg("family"));
+        py::arg("dropout_p"), py::arg("family"), py::arg("tuning") = "");
   m.def("bwd", &bwd, "attention backward: writes dq, dk, dv", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("rng_state"),
         py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("alibi_slopes"),
         py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"),
         py::arg("window_right"), py::arg("softcap"), py::arg("dropout_p"),
-        py::arg("deterministic"), py::arg("family"));
+        py::arg("deterministic"), py::arg("family"), py::arg("tuning") = "");
   m.def("dropout_mask", &dropout_mask,
         "(batch, heads, seqlen_q, seqlen_k) bool keep-mask of the forward that wrote rng_state",
         py::arg("rng_state"), py::arg("batch"), py::arg("heads"), py::arg("seqlen_q"),

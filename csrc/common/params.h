@@ -74,8 +74,7 @@ struct FwdParams {
   // (FA1: the running O in fp32 and the running max/sum per row; see fa1/fa1_fwd_kernel.cuh).
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
-  int q_tiles_per_block = 0;  // FA1: Q tiles one block walks (chosen by the launcher)
-  bool v_in_prologue = false; // FA2, one K/V stage: the first V tile loads with Q and K (launcher's choice)
+  int q_tiles_per_block = 0;  // FA1: Q tiles one block walks (the launcher's, from its plan)
 
   int num_sms = 0;  // of the current device, for grid sizing
   int arch = 0;     // its compute capability, major * 10 + minor (tile choice)

@@ -17,11 +17,10 @@ inline unsigned helper_blocks(int64_t threads_needed, int num_sms) {
 }
 
 template <typename T, int kHeadDim>
-void run_bwd(const BwdParams& params, cudaStream_t stream) {
+void run_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream) {
   using Tile = BwdTile<kHeadDim>;
   BwdParams p = params;
-  if (p.workspace == nullptr ||
-      p.workspace_bytes < bwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kHeadDim)) {
+  if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes) {
     throw std::runtime_error("flash_attn fa1: backward workspace missing or too small");
   }
   const int64_t rows_pad = round_up(p.seqlen_q, kRowPad);

@@ -24,18 +24,17 @@ inline int fwd_q_tiles_per_block(int q_tiles, int64_t batch_heads, int num_sms) 
 }
 
 template <typename T, int kHeadDim, bool kWide>
-void launch_fwd(const FwdParams& params, cudaStream_t stream) {
+void launch_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim, kWide>;
   FwdParams p = params;
-  if (p.workspace == nullptr ||
-      p.workspace_bytes < fwd_workspace_bytes(p.batch, p.heads, p.seqlen_q, kHeadDim)) {
+  if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes) {
     throw std::runtime_error("flash_attn fa1: forward workspace missing or too small");
   }
   const int q_tiles = cdiv(p.seqlen_q, Tile::Br);
   const int64_t batch_heads = int64_t(p.batch) * p.heads;
-  if (p.q_tiles_per_block <= 0) {
-    p.q_tiles_per_block = fwd_q_tiles_per_block(q_tiles, batch_heads, p.num_sms);
-  }
+  p.q_tiles_per_block = plan.q_tiles_per_block > 0
+                            ? plan.q_tiles_per_block
+                            : fwd_q_tiles_per_block(q_tiles, batch_heads, p.num_sms);
   p.q_tiles_per_block = std::min(p.q_tiles_per_block, q_tiles);
   const int64_t blocks = batch_heads * cdiv(q_tiles, p.q_tiles_per_block);
   if (blocks > int64_t(INT32_MAX)) throw std::runtime_error("flash_attn fa1: grid too large");
@@ -50,12 +49,12 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 }
 
 template <typename T, int kHeadDim>
-void run_fwd(const FwdParams& params, cudaStream_t stream) {
+void run_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
   // Only d > 64 has a wide variant (FwdTile); sm75 cannot give a block more than 64 KB.
   if constexpr (kHeadDim > 64) {
-    if (params.arch >= 80) return launch_fwd<T, kHeadDim, true>(params, stream);
+    if (params.arch >= 80) return launch_fwd<T, kHeadDim, true>(params, plan, stream);
   }
-  launch_fwd<T, kHeadDim, false>(params, stream);
+  launch_fwd<T, kHeadDim, false>(params, plan, stream);
 }
 
 }  // namespace flash::fa1

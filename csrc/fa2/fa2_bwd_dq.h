@@ -10,7 +10,7 @@
 // (batch, head, query tile) says how many key tiles have added; the block of key tile n waits
 // for its turn (the number of earlier key tiles walking that query tile), adds, and passes
 // the turn on. The wait never deadlocks because the turn always goes to an earlier block of the
-// grid (the tile order, fa2_tile_order.h, puts key tile n - 1 of a head before key tile n), and
+// grid (the tile order, common/tile_order.h, puts key tile n - 1 of a head before key tile n), and
 // blocks start in grid order. (With more than 2^31 - 1 work items blocks would stride over
 // items and that argument would not hold; no real shape comes near.)
 #pragma once

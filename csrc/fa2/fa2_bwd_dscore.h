@@ -18,8 +18,8 @@
 #include "common/params.h"
 #include "common/philox.cuh"
 #include "fa2/fa2_dropout.h"
-#include "fa2/fa2_mask.h"
-#include "fa2/fa2_score_mod.h"
+#include "common/mask.h"
+#include "common/score_mod.h"
 #include "fa2/fa2_utils.h"
 
 namespace flash::fa2 {

@@ -33,8 +33,8 @@
 #include "fa2/fa2_bwd_dq.h"
 #include "fa2/fa2_bwd_dscore.h"
 #include "fa2/fa2_bwd_mask.h"
-#include "fa2/fa2_mask.h"
-#include "fa2/fa2_tile_order.h"
+#include "common/mask.h"
+#include "common/tile_order.h"
 #include "fa2/fa2_tiles.h"
 #include "fa2/fa2_utils.h"
 

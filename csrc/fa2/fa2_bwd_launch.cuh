@@ -7,7 +7,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -20,74 +19,54 @@
 
 namespace flash::fa2 {
 
-// Run-time switches of the backward (env_flag, fa2.h):
-//   FLASH_ATTN_FA2_BWD_DQ_BULK=0   no sm90 bulk dQ (fa2_bwd_dq.h): per-fragment reds
-//   FLASH_ATTN_FA2_BWD_DQ_DEFER=0  the reds of dQ's last chunk together, not spread over dK's
-//                                  GEMM (fa2_bwd_kernel.cuh)
-//   FLASH_ATTN_FA2_BWD_PDL=0|1     see bwd_chain below
-
-// How the backward's kernels follow each other, FLASH_ATTN_FA2_BWD_PDL: 0 = a memset of
-// dq_accum, then plain launches; 1 = the preprocess zeroes dq_accum, plain launches; 2
-// (default) = as 1, and the main kernel and the conversion launched with pdl on sm90.
-struct BwdChain {
-  bool clear_in_preprocess;
-  bool pdl;
-};
-inline BwdChain bwd_chain(int arch) {
-  const char* env = std::getenv("FLASH_ATTN_FA2_BWD_PDL");
-  const int mode = env == nullptr ? 2 : std::atoi(env);
-  return {mode >= 1, mode >= 2 && arch >= 90};
-}
-
 template <class Tr>
-void launch_bwd_main(const BwdParams& params, int max_smem, bool pdl, cudaStream_t stream) {
+void launch_bwd_main(const BwdParams& params, const BwdPlan& plan, int max_smem,
+                     cudaStream_t stream) {
   BwdParams p = params;
   const int n_blocks = int((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN);
   // A key tile walks Q, dO (and adds into dQ, fp32) of every query head of its KV head.
   const int64_t q_bytes = int64_t(p.seqlen_q) * Tr::kHeadDim *
                           (2 * sizeof(typename Tr::Element) + sizeof(float)) *
                           (p.heads / p.heads_k);
-  // The deterministic mode's turns need each add complete before the next block's; the reds
-  // give that, so it keeps them.
-  p.dq_bulk = Tr::kBulkdQ && p.arch >= 90 && !p.deterministic &&
-              env_flag("FLASH_ATTN_FA2_BWD_DQ_BULK", true) &&
-              Tr::kSmemBytes + Tr::kdQStageBytes <= max_smem;
-  p.dq_defer = !p.deterministic && env_flag("FLASH_ATTN_FA2_BWD_DQ_DEFER", true);
+  p.dq_bulk = plan.dq_bulk && Tr::kBulkdQ && Tr::kSmemBytes + Tr::kdQStageBytes <= max_smem;
+  p.dq_defer = plan.dq_defer;
   const int smem_bytes = Tr::kSmemBytes + (p.dq_bulk ? Tr::kdQStageBytes : 0);
   auto kernel = bwd_kernel<Tr>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         smem_bytes));
   const TileOrder order =
       tile_order(n_blocks, p.batch, p.heads_k, 1, q_bytes, p.l2_bytes,
-                 resident_blocks(kernel, Tr::kThreads, smem_bytes, p.num_sms));
-  launch(kernel, dim3(order.grid()), dim3(Tr::kThreads), smem_bytes, stream, pdl, p, order);
+                 resident_blocks(kernel, Tr::kThreads, smem_bytes, p.num_sms), plan.head_group);
+  launch(kernel, dim3(order.grid()), dim3(Tr::kThreads), smem_bytes, stream, plan.pdl, p, order);
 }
 
 // Dropout and the score mods (softcap, ALiBi) are template flags: their state and code cost
 // registers, and the loop's instruction footprint, that the plain kernel should not carry.
 // Everything else (mask, window, GQA, determinism) is a runtime field.
 template <typename T, int kHeadDim, int kQStages, bool kDropout>
-void launch_bwd_mod_variant(const BwdParams& p, int max_smem, bool pdl, cudaStream_t stream) {
+void launch_bwd_mod_variant(const BwdParams& p, const BwdPlan& plan, int max_smem,
+                            cudaStream_t stream) {
   if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
-    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, true>>(p, max_smem, pdl, stream);
+    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, true>>(p, plan, max_smem, stream);
   } else {
-    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, false>>(p, max_smem, pdl, stream);
+    launch_bwd_main<BwdTraits<T, kHeadDim, kQStages, kDropout, false>>(p, plan, max_smem, stream);
   }
 }
 
 template <typename T, int kHeadDim, int kQStages>
-void launch_bwd_variant(const BwdParams& p, int max_smem, bool pdl, cudaStream_t stream) {
+void launch_bwd_variant(const BwdParams& p, const BwdPlan& plan, int max_smem,
+                        cudaStream_t stream) {
   if (p.dropout_p > 0.f) {
-    launch_bwd_mod_variant<T, kHeadDim, kQStages, true>(p, max_smem, pdl, stream);
+    launch_bwd_mod_variant<T, kHeadDim, kQStages, true>(p, plan, max_smem, stream);
   } else {
-    launch_bwd_mod_variant<T, kHeadDim, kQStages, false>(p, max_smem, pdl, stream);
+    launch_bwd_mod_variant<T, kHeadDim, kQStages, false>(p, plan, max_smem, stream);
   }
 }
 
 template <typename T, int kHeadDim>
-void run_bwd(const BwdParams& params, cudaStream_t stream) {
+void run_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream) {
   BwdParams p = params;
-  if (p.workspace == nullptr || p.workspace_bytes < bwd_workspace_bytes(p, kHeadDim)) {
+  if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes) {
     throw std::runtime_error("flash_attn fa2: backward workspace missing or too small");
   }
   // Workspace: dq_accum | counters (deterministic) | dsum, as bwd_workspace_bytes sizes it.
@@ -98,16 +77,12 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   p.dq_accum = static_cast<float*>(p.workspace);
   p.dsum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + rows * kHeadDim * 4 +
                                     counters * 4);
-  const BwdChain chain = bwd_chain(p.arch);
-  if (!chain.clear_in_preprocess) {
-    FLASH_CHECK_CUDA(cudaMemsetAsync(p.dq_accum, 0, (rows * kHeadDim + counters) * 4, stream));
-  }
 
   // The preprocess follows whatever wrote dO and O: a plain launch.
   const int64_t dot_blocks = (rows + DotTile<kHeadDim>::kRowsPerStep - 1) / DotTile<kHeadDim>::kRowsPerStep;
   const int64_t max_blocks = int64_t(std::max(p.num_sms, 1)) * 16;
   bwd_dot_do_o_kernel<T, kHeadDim><<<unsigned(std::min(dot_blocks, max_blocks)), kDotThreads,
-                                     0, stream>>>(p, chain.clear_in_preprocess);
+                                     0, stream>>>(p);
   FLASH_CHECK_LAUNCH();
 
   int device = 0, max_smem = 0;
@@ -117,7 +92,7 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   constexpr int kSmemTwo = BwdTraits<T, kHeadDim, 2, false, false>::kSmemBytes;
   constexpr int kSmemOne = BwdTraits<T, kHeadDim, 1, false, false>::kSmemBytes;
   if (kSmemTwo <= max_smem) {
-    launch_bwd_variant<T, kHeadDim, 2>(p, max_smem, chain.pdl, stream);
+    launch_bwd_variant<T, kHeadDim, 2>(p, plan, max_smem, stream);
   } else if constexpr (kSmemTwo > kSm80SmemBytes) {
     if (kSmemOne > max_smem) {
       throw std::runtime_error("flash_attn fa2: the backward for head dim " +
@@ -125,7 +100,7 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
                                " bytes of shared memory per block; this GPU allows " +
                                std::to_string(max_smem));
     }
-    launch_bwd_variant<T, kHeadDim, 1>(p, max_smem, chain.pdl, stream);
+    launch_bwd_variant<T, kHeadDim, 1>(p, plan, max_smem, stream);
   } else {
     throw std::runtime_error("flash_attn fa2: the backward for head dim " +
                              std::to_string(kHeadDim) + " needs " + std::to_string(kSmemTwo) +
@@ -136,7 +111,7 @@ void run_bwd(const BwdParams& params, cudaStream_t stream) {
   const dim3 convert_grid(unsigned(rows_pad / kDqConvertRows),
                           unsigned(std::min<int64_t>(batch_heads, 65535)));
   launch(bwd_convert_dq_kernel<T, kHeadDim>, convert_grid, dim3(kDqConvertThreads), 0, stream,
-         chain.pdl, p);
+         plan.pdl, p);
 }
 
 }  // namespace flash::fa2

@@ -3,7 +3,7 @@
 // transpose of Mask::key_tiles, built on Mask::query_begin / query_end.
 #pragma once
 
-#include "fa2/fa2_mask.h"
+#include "common/mask.h"
 
 namespace flash::fa2 {
 

@@ -1,9 +1,9 @@
 // Backward preprocess (FA2 Algorithm 2, line 4): D = rowsum(dO o O) in fp32, one value per
 // (batch, head, query row), into dsum laid out (batch, heads, round_up(seqlen_q, kRowPad)).
 // The padding rows get 0, so the main kernel may read a whole query tile unguarded.
-// With `clear`, it also zeroes the dQ accumulator (and the deterministic mode's counters):
-// the stores ride along with the loads of the same rows instead of a memset kernel of their
-// own and the gap before it.
+// It also zeroes the dQ accumulator (and the deterministic mode's counters): the stores ride
+// along with the loads of the same rows instead of a memset kernel of their own and the gap
+// before it.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,7 +45,7 @@ struct DotTile {
 // that (its K, V, Q, dO loads) may overlap this kernel's last blocks.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kDotThreads)
-    bwd_dot_do_o_kernel(const __grid_constant__ BwdParams p, bool clear) {
+    bwd_dot_do_o_kernel(const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   pdl_launch_dependents();
   constexpr int kLanes = DotTile<kHeadDim>::kLanes;
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kDotThreads)
   const int64_t rows_pad = round_up(p.seqlen_q, kRowPad);
   const int64_t total_rows = int64_t(p.batch) * p.heads * rows_pad;
   const int lane = threadIdx.x % kLanes;
-  if (clear && p.deterministic) {
+  if (p.deterministic) {
     int* counters = reinterpret_cast<int*>(p.dq_accum + total_rows * kHeadDim);
     for (int64_t i = int64_t(blockIdx.x) * kDotThreads + threadIdx.x;
          i < total_rows / kBwdMinBlockM; i += int64_t(gridDim.x) * kDotThreads) {
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kDotThreads)
   }
   for (int64_t row = int64_t(blockIdx.x) * kRowsPerStep + threadIdx.x / kLanes; row < total_rows;
        row += int64_t(gridDim.x) * kRowsPerStep) {
-    if (clear && lane * 8 < kHeadDim) {
+    if (lane * 8 < kHeadDim) {
       // kHeadDim floats of dq_accum per padded row: the whole buffer, in whatever order its
       // fragments lie.
       float4* dst = reinterpret_cast<float4*>(p.dq_accum + row * kHeadDim + lane * 8);

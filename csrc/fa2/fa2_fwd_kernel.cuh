@@ -10,8 +10,8 @@
 //   O += P V[n]                                         (tensor cores)
 // so each load has a whole step to land and a step has one barrier. With one stage (large
 // head dims on GPUs where two stages do not fit in shared memory) K and V alternate in their single buffers:
-// V[n] loads under S = Q K[n]^T, K[n-1] under O += P V[n]; the first V tile can instead load
-// with Q and K (FwdParams::v_in_prologue), so that the first step does not wait for it. Once at
+// V[n] loads under S = Q K[n]^T, K[n-1] under O += P V[n]; the first V tile loads with Q and K,
+// so that the first step does not wait for it. Once at
 // the end: O /= l, lse = m + log l.
 #pragma once
 
@@ -20,10 +20,10 @@
 #include "common/params.h"
 #include "common/philox.cuh"
 #include "fa2/fa2_dropout.h"
-#include "fa2/fa2_mask.h"
-#include "fa2/fa2_score_mod.h"
-#include "fa2/fa2_softmax.h"
-#include "fa2/fa2_tile_order.h"
+#include "common/mask.h"
+#include "common/score_mod.h"
+#include "common/softmax.h"
+#include "common/tile_order.h"
 #include "fa2/fa2_tiles.h"
 #include "fa2/fa2_utils.h"
 
@@ -155,7 +155,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
       load_kv(tVgV, tVsV_first, tiles.end - 1);
     }
     cp_async_fence();
-    if (Tr::kStages == 1 && p.v_in_prologue) {  // a group of its own: the first QK^T waits for Q, K only
+    if (Tr::kStages == 1) {  // a group of its own: the first QK^T waits for Q, K only
       load_kv(tVgV, tVsV, tiles.end - 1);
       cp_async_fence();
     }
@@ -174,7 +174,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
           load_kv(tVgV, tVsV_next, n - 1);
           cp_async_fence();
         }
-      } else if (decltype(first)::value && p.v_in_prologue) {
+      } else if (decltype(first)::value) {
         cp_async_wait<1>();
         __syncthreads();  // Q, K[n] landed (V[n] may still be loading)
       } else {

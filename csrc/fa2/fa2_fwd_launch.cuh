@@ -11,13 +11,8 @@
 
 namespace flash::fa2 {
 
-// Run-time switches of the forward (env_flag, fa2.h):
-//   FLASH_ATTN_FA2_FWD_V_EARLY=0   one stage: the first V tile loads after Q and K have landed,
-//                                  like the others, not with them (fa2_fwd_kernel.cuh)
 template <class Tr>
-void launch_fwd(const FwdParams& params, cudaStream_t stream) {
-  FwdParams p = params;
-  p.v_in_prologue = env_flag("FLASH_ATTN_FA2_FWD_V_EARLY", true);  // one-stage kernels read it
+void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   // A query tile reads its KV head's K and V, shared by heads_per_kv query heads.
   const int heads_per_kv = p.heads / p.heads_k;
@@ -29,14 +24,15 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   }
   const TileOrder order =
       tile_order(m_blocks, p.batch, p.heads, heads_per_kv, kv_bytes / heads_per_kv, p.l2_bytes,
-                 resident_blocks(kernel, Tr::kThreads, Tr::kSmemBytes, p.num_sms));
+                 resident_blocks(kernel, Tr::kThreads, Tr::kSmemBytes, p.num_sms),
+                 plan.head_group);
   kernel<<<order.grid(), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, order);
   FLASH_CHECK_LAUNCH();
 }
 
 // Two K/V stages where the device's shared memory holds them, else one (FwdTile).
 template <typename T, int kHeadDim, bool kDropout, bool kScoreMod>
-void launch_fwd_stages(const FwdParams& p, cudaStream_t stream) {
+void launch_fwd_stages(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   constexpr int kStages = FwdTile<kHeadDim>::kStages;
   using Table = FwdTraits<T, kHeadDim, kStages, kDropout, kScoreMod>;
   if constexpr (kStages == 2 && Table::kSmemBytes > kSm86SmemBytes) {
@@ -45,31 +41,31 @@ void launch_fwd_stages(const FwdParams& p, cudaStream_t stream) {
     FLASH_CHECK_CUDA(
         cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     if (Table::kSmemBytes > max_smem) {
-      launch_fwd<FwdTraits<T, kHeadDim, 1, kDropout, kScoreMod>>(p, stream);
+      launch_fwd<FwdTraits<T, kHeadDim, 1, kDropout, kScoreMod>>(p, plan, stream);
       return;
     }
   }
-  launch_fwd<Table>(p, stream);
+  launch_fwd<Table>(p, plan, stream);
 }
 
 template <typename T, int kHeadDim, bool kDropout>
-void launch_fwd_variant(const FwdParams& p, cudaStream_t stream) {
+void launch_fwd_variant(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
-    launch_fwd_stages<T, kHeadDim, kDropout, true>(p, stream);
+    launch_fwd_stages<T, kHeadDim, kDropout, true>(p, plan, stream);
   } else {
-    launch_fwd_stages<T, kHeadDim, kDropout, false>(p, stream);
+    launch_fwd_stages<T, kHeadDim, kDropout, false>(p, plan, stream);
   }
 }
 
 template <typename T, int kHeadDim>
-void run_fwd(const FwdParams& params, cudaStream_t stream) {
+void run_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
   // Dropout and the score mods (softcap, ALiBi) are template flags: their state and code cost
   // registers, and the loop's instruction footprint, that the plain kernel should not carry.
   // Masks and windows are runtime fields.
   if (params.dropout_p > 0.f) {
-    launch_fwd_variant<T, kHeadDim, true>(params, stream);
+    launch_fwd_variant<T, kHeadDim, true>(params, plan, stream);
   } else {
-    launch_fwd_variant<T, kHeadDim, false>(params, stream);
+    launch_fwd_variant<T, kHeadDim, false>(params, plan, stream);
   }
 }
 

@@ -1,21 +1,14 @@
-// Small CuTe helpers shared by the FA2 forward and backward: fragment views, type conversion,
-// warp-quad reductions, the two GEMM shapes of the mainloops and predicated tile copies.
+// Small CuTe helpers of the FA2 forward and backward (mma.sync): fragment views, the two GEMM
+// shapes of the mainloops and predicated tile copies. What FA3 shares is in common/fragment.h.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cute/tensor.hpp>
-#include <cutlass/numeric_types.h>
+
+#include "common/fragment.h"
 
 namespace flash::fa2 {
 
 using namespace cute;
-
-// The element type of CuTe's MMA atoms for the CUDA type the build matrix names.
-template <typename T> struct CuteType;
-template <> struct CuteType<__half> { using type = cutlass::half_t; };
-template <> struct CuteType<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
 
 // ---- fragment views -------------------------------------------------------------------------
 
@@ -38,41 +31,6 @@ CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(Layout const& acc) {
   auto split = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // ((2,2), MMA_M, (2, MMA_N/2))
   return make_layout(make_layout(get<0>(split), get<2, 0>(split)), get<1>(split),
                      get<2, 1>(split));
-}
-
-// fp32 fragment -> 16-bit fragment of the same layout, two elements per instruction.
-template <typename To, class Engine, class Layout>
-__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
-  static_assert(size(Layout{}) % 2 == 0);
-  Tensor dst = make_tensor<To>(src.layout());
-#pragma unroll
-  for (int i = 0; i < size(src); i += 2) {
-    const float2 pair = make_float2(src(i), src(i + 1));
-    if constexpr (std::is_same_v<To, cutlass::half_t>) {
-      *reinterpret_cast<__half2*>(&dst(i)) = __float22half2_rn(pair);
-    } else {
-      *reinterpret_cast<__nv_bfloat162*>(&dst(i)) = __float22bfloat162_rn(pair);
-    }
-  }
-  return dst;
-}
-
-// ---- arithmetic -----------------------------------------------------------------------------
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// The four lanes of a quad hold one accumulator row between them.
-__device__ __forceinline__ float quad_allreduce_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_allreduce_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 // ---- GEMMs from shared memory ----------------------------------------------------------------

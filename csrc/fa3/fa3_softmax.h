@@ -1,11 +1,11 @@
-// FA3's online softmax: FA2's (fa2_softmax.h; the same state and conventions, used as it is for
-// an item's first key tile and for masked tiles) plus a step for unmasked tiles that takes no
-// max before the exponentials.
+// FA3's online softmax: the shared one (common/softmax.h; the same state and conventions, used
+// as it is for an item's first key tile and for masked tiles) plus a step for unmasked tiles
+// that takes no max before the exponentials.
 //
 // Why: at hdim 256 the tile max (a 20-deep fmax chain per row and lane, then two shuffle
 // rounds) sits between the S GEMM's result and the first exponential, and costs more than its
 // instruction count: a build that skipped it (wrong in general) ran 5-6% faster at 2k and 4k
-// (H200, fa3_notes.md, session 25). FA2's lazy rescaling already keeps the old max while no
+// (H200; docs/fa3_decisions.md). FA2's lazy rescaling already keeps the old max while no
 // row's max grows by more than kRescaleLog2 (log2 units); exponentiate() relies on that
 // outright and checks afterwards. Its P against the old max is the value FA2's step computes
 // whenever the max did not grow that much; a lane's partial sum of a row bounds each of its
@@ -21,13 +21,13 @@
 #include <cfloat>
 #include <cmath>
 
-#include "fa2/fa2_softmax.h"
+#include "common/softmax.h"
 
 namespace flash::fa3 {
 
 template <int kRows>
-struct Softmax : flash::fa2::Softmax<kRows> {
-  using Base = flash::fa2::Softmax<kRows>;
+struct Softmax : flash::Softmax<kRows> {
+  using Base = flash::Softmax<kRows>;
   using Base::row_max;
   using Base::row_sum;
   static constexpr float kSettleSum = 256.f;  // 2^kRescaleLog2
@@ -50,7 +50,7 @@ struct Softmax : flash::fa2::Softmax<kRows> {
       float sum = 0.f;
 #pragma unroll
       for (int ni = 0; ni < cute::size<1>(s); ++ni) {
-        s(mi, ni) = flash::fa2::exp2_approx(fmaf(s(mi, ni), scale_log2, -m_scaled));
+        s(mi, ni) = flash::exp2_approx(fmaf(s(mi, ni), scale_log2, -m_scaled));
         sum += s(mi, ni);
       }
       tile_sum[mi] = sum;
@@ -73,7 +73,7 @@ struct Softmax : flash::fa2::Softmax<kRows> {
       float m = 0.f;
 #pragma unroll
       for (int ni = 0; ni < cute::size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
-      p_max[mi] = flash::fa2::quad_allreduce_max(m);
+      p_max[mi] = flash::quad_allreduce_max(m);
       lost |= !(p_max[mi] <= kMaxRescale) || row_max[mi] == -INFINITY;
     }
     float correction[kRows];
@@ -93,7 +93,7 @@ struct Softmax : flash::fa2::Softmax<kRows> {
       correction[mi] = 1.f;
       if (p_max[mi] > kSettleSum) {
         const float next = row_max[mi] + __log2f(p_max[mi]) / scale_log2;
-        correction[mi] = flash::fa2::exp2_approx(row_max[mi] * scale_log2 - next * scale_log2);
+        correction[mi] = flash::exp2_approx(row_max[mi] * scale_log2 - next * scale_log2);
         row_max[mi] = next;
         grow = true;
       }

@@ -29,8 +29,8 @@
 
 namespace {
 
-using FwdFn = void (*)(const flash::FwdParams&, cudaStream_t);
-using BwdFn = void (*)(const flash::BwdParams&, cudaStream_t);
+using FwdFn = void (*)(const flash::FwdParams&, const flash::fa1::FwdPlan&, cudaStream_t);
+using BwdFn = void (*)(const flash::BwdParams&, const flash::fa1::BwdPlan&, cudaStream_t);
 
 template <typename Fn>
 struct Kernel {
@@ -100,7 +100,7 @@ struct Args {
   unsigned seed = 0;
   bool bwd = true;
   bool deterministic = false;
-  int q_tiles = 0;  // FwdParams::q_tiles_per_block; 0: the launcher's choice
+  int q_tiles = 0;  // Tuning::fa1_q_tiles; 0: the launcher's choice
   int check = -1;  // -1: only when the CPU reference is cheap
 };
 
@@ -278,8 +278,7 @@ int run(const Args& a) {
 
   const size_t q_bytes = q.v.size() * sizeof(T), kv_bytes = k.v.size() * sizeof(T);
   DeviceBuffer d_q(q_bytes), d_k(kv_bytes), d_v(kv_bytes), d_o(q_bytes),
-      d_lse(size_t(a.b) * a.h * a.sq * sizeof(float)),
-      d_fwd_ws(flash::fa1::fwd_workspace_bytes(a.b, a.h, a.sq, fwd->hdim));
+      d_lse(size_t(a.b) * a.h * a.sq * sizeof(float));
   upload<T>(d_q, q);
   upload<T>(d_k, k);
   upload<T>(d_v, v);
@@ -295,35 +294,39 @@ int run(const Args& a) {
   p.softmax_scale = 1.f / std::sqrt(float(a.d));
   p.softmax_scale_log2 = p.softmax_scale * float(M_LOG2E);
   p.causal = a.causal;
-  p.workspace = d_fwd_ws.ptr, p.workspace_bytes = int64_t(d_fwd_ws.bytes);
   p.num_sms = sms;
   p.arch = major * 10 + minor;
-  p.q_tiles_per_block = a.q_tiles;
+  flash::Tuning tuning;
+  tuning.fa1_q_tiles = a.q_tiles;
+  const flash::fa1::FwdPlan plan = flash::fa1::plan_fwd(p, fwd->hdim, tuning);
+  DeviceBuffer d_fwd_ws(size_t(plan.workspace_bytes));
+  p.workspace = d_fwd_ws.ptr, p.workspace_bytes = int64_t(d_fwd_ws.bytes);
 
-  fwd->fn(p, nullptr);
+  fwd->fn(p, plan, nullptr);
   FLASH_CHECK_CUDA(cudaDeviceSynchronize());
 
   // The backward reads O and LSE of the forward above.
   std::unique_ptr<DeviceBuffer> d_dout, d_dq, d_dk, d_dv, d_bwd_ws;
   flash::BwdParams bp;
+  flash::fa1::BwdPlan bwd_plan;
   if (bwd != nullptr) {
     d_dout = std::make_unique<DeviceBuffer>(q_bytes);
     d_dq = std::make_unique<DeviceBuffer>(q_bytes);
     d_dk = std::make_unique<DeviceBuffer>(kv_bytes);
     d_dv = std::make_unique<DeviceBuffer>(kv_bytes);
-    d_bwd_ws = std::make_unique<DeviceBuffer>(
-        flash::fa1::bwd_workspace_bytes(a.b, a.h, a.sq, bwd->hdim));
     upload<T>(*d_dout, dout);
     d_dq->poison();
     d_dk->poison();
     d_dv->poison();
     static_cast<flash::FwdParams&>(bp) = p;
+    bwd_plan = flash::fa1::plan_bwd(bp, bwd->hdim);
+    d_bwd_ws = std::make_unique<DeviceBuffer>(size_t(bwd_plan.workspace_bytes));
     bp.workspace = d_bwd_ws->ptr, bp.workspace_bytes = int64_t(d_bwd_ws->bytes);  // the launcher carves it
     bp.deterministic = a.deterministic;
     bp.dout = d_dout->ptr, bp.dq = d_dq->ptr, bp.dk = d_dk->ptr, bp.dv = d_dv->ptr;
     bp.do_strides = q.strides(), bp.dq_strides = q.strides();
     bp.dk_strides = k.strides(), bp.dv_strides = v.strides();
-    bwd->fn(bp, nullptr);
+    bwd->fn(bp, bwd_plan, nullptr);
     FLASH_CHECK_CUDA(cudaDeviceSynchronize());
   }
 
@@ -354,10 +357,10 @@ int run(const Args& a) {
     for (int i = 0; i < a.sq; ++i)
       pairs += a.causal ? std::clamp(i + a.sk - a.sq + 1, 0, a.sk) : a.sk;
     const double fwd_flops = 4.0 * a.b * a.h * a.d * pairs;
-    const float ms = median_ms(a.iters, [&] { fwd->fn(p, nullptr); });
+    const float ms = median_ms(a.iters, [&] { fwd->fn(p, plan, nullptr); });
     std::printf("fwd: %.3f ms  %.1f TFLOP/s  (median of %d)\n", ms, fwd_flops / ms * 1e-9, a.iters);
     if (bwd != nullptr) {
-      const float bms = median_ms(a.iters, [&] { bwd->fn(bp, nullptr); });
+      const float bms = median_ms(a.iters, [&] { bwd->fn(bp, bwd_plan, nullptr); });
       std::printf("bwd: %.3f ms  %.1f TFLOP/s  (median of %d)\n", bms, 2.5 * fwd_flops / bms * 1e-9,
                   a.iters);
     }

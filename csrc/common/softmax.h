@@ -1,19 +1,21 @@
 // Online softmax state of the rows a thread holds (FA2, Algorithm 1 lines 8-10 and 12; FA3
-// uses it too):
+// adds its lazy step in fa3/fa3_softmax.h):
 //   rescale:       m_new = max(m, rowmax(S)); O *= exp2(m - m_new); l *= exp2(m - m_new)
 //                  (lazily: only when some row's max grew by more than 2^8, see update)
 //   exponentiate:  P = exp2(S * scale_log2 - m_new * scale_log2); l += rowsum(P)
 //   finalize:      O /= l (times 1/keep for dropout); lse = (m * scale_log2 + log2(l)) * ln(2)
-// Scores stay in score units (see fa2_score_mod.h); scale_log2 folds the softmax scale and
+// Scores stay in score units (see score_mod.h); scale_log2 folds the softmax scale and
 // log2(e) into the FFMA that feeds ex2. A row with no visible key so far has m = -inf; it is
 // exponentiated against 0 instead, so its P is 0 and never NaN.
 #pragma once
 
 #include <cmath>
 
-#include "fa2/fa2_utils.h"
+#include <cute/tensor.hpp>
 
-namespace flash::fa2 {
+#include "common/fragment.h"
+
+namespace flash {
 
 template <int kRows>
 struct Softmax {
@@ -37,14 +39,14 @@ struct Softmax {
   // WGMMA in flight before a branch, which must not come before the softmax in FA3.
   template <bool kFirst, bool kBranch = true, class S>
   __device__ __forceinline__ bool online(S& s, float scale_log2, float (&correction)[kRows]) {
-    static_assert(decltype(size<0>(s))::value == kRows);
+    static_assert(decltype(cute::size<0>(s))::value == kRows);
     float tile_max[kRows];
     bool grow = kFirst;
 #pragma unroll
     for (int mi = 0; mi < kRows; ++mi) {
       float m = kFirst ? -INFINITY : row_max[mi];
 #pragma unroll
-      for (int ni = 0; ni < size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
+      for (int ni = 0; ni < cute::size<1>(s); ++ni) m = fmaxf(m, s(mi, ni));
       tile_max[mi] = quad_allreduce_max(m);
       // Lazy rescaling: while no row of the warp has its max grow by more than
       // kRescaleLog2 (in log2 units), keep exponentiating against the old max. P then stays
@@ -77,7 +79,7 @@ struct Softmax {
       const float m_scaled = row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2;
       float sum = 0.f;
 #pragma unroll
-      for (int ni = 0; ni < size<1>(s); ++ni) {
+      for (int ni = 0; ni < cute::size<1>(s); ++ni) {
         s(mi, ni) = exp2_approx(fmaf(s(mi, ni), scale_log2, -m_scaled));
         sum += s(mi, ni);
       }
@@ -92,7 +94,7 @@ struct Softmax {
 #pragma unroll
     for (int mi = 0; mi < kRows; ++mi) {
 #pragma unroll
-      for (int di = 0; di < size<1>(o); ++di) o(mi, di) *= correction[mi];
+      for (int di = 0; di < cute::size<1>(o); ++di) o(mi, di) *= correction[mi];
     }
   }
 
@@ -109,9 +111,9 @@ struct Softmax {
       lse[mi] = empty ? INFINITY
                       : (row_max[mi] * scale_log2 + __log2f(sum)) * float(M_LN2);
 #pragma unroll
-      for (int di = 0; di < size<1>(o); ++di) o(mi, di) *= inv;
+      for (int di = 0; di < cute::size<1>(o); ++di) o(mi, di) *= inv;
     }
   }
 };
 
-}  // namespace flash::fa2
+}  // namespace flash

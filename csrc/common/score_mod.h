@@ -9,10 +9,12 @@
 
 #include <cmath>
 
-#include "common/params.h"
-#include "fa2/fa2_utils.h"
+#include <cute/tensor.hpp>
 
-namespace flash::fa2 {
+#include "common/params.h"
+#include "common/seqinfo.h"
+
+namespace flash {
 
 __device__ __forceinline__ float tanh_fast(float x) {
   float y;
@@ -25,7 +27,13 @@ struct ScoreMod {
   float alibi_slope = 0.f;       // in score units; 0: no ALiBi
   int shift = 0;                 // seqlen_k - seqlen_q: row i's diagonal key is i + shift
 
-  __device__ ScoreMod(const FwdParams& p, int batch, int head) : shift(p.seqlen_k - p.seqlen_q) {
+  __device__ ScoreMod(const FwdParams& p, int batch, int head)
+      : ScoreMod(p, batch, head, p.seqlen_k - p.seqlen_q) {}
+  // For one sequence (common/seqinfo.h): its own diagonal.
+  __device__ ScoreMod(const FwdParams& p, const SeqInfo& seq, int head)
+      : ScoreMod(p, seq.batch, head, seq.seqlen_k - seq.seqlen_q) {}
+
+  __device__ ScoreMod(const FwdParams& p, int batch, int head, int shift_) : shift(shift_) {
     if (p.softcap > 0.f) softcap_prescale = p.softcap_prescale;
     if (p.alibi_slopes != nullptr) {
       const float logit_per_score = p.softcap > 0.f ? p.softcap : p.softmax_scale;
@@ -41,15 +49,15 @@ struct ScoreMod {
   __device__ void apply(S& s, C const& coord, int row0, int col0) const {
     if (softcap()) {
 #pragma unroll
-      for (int i = 0; i < size(s); ++i) s(i) = tanhf(s(i) * softcap_prescale);
+      for (int i = 0; i < cute::size(s); ++i) s(i) = tanhf(s(i) * softcap_prescale);
     }
     if (alibi()) {
 #pragma unroll
-      for (int mi = 0; mi < size<0>(s); ++mi) {
-        const int diag = row0 + get<0>(coord(mi, 0)) + shift;
+      for (int mi = 0; mi < cute::size<0>(s); ++mi) {
+        const int diag = row0 + cute::get<0>(coord(mi, 0)) + shift;
 #pragma unroll
-        for (int ni = 0; ni < size<1>(s); ++ni) {
-          const int col = col0 + get<1>(coord(mi, ni));
+        for (int ni = 0; ni < cute::size<1>(s); ++ni) {
+          const int col = col0 + cute::get<1>(coord(mi, ni));
           s(mi, ni) -= alibi_slope * fabsf(float(diag - col));
         }
       }
@@ -57,4 +65,4 @@ struct ScoreMod {
   }
 };
 
-}  // namespace flash::fa2
+}  // namespace flash

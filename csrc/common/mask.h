@@ -1,16 +1,18 @@
-// The mask policy: which keys a query row sees, and for a block of query rows which key tiles
-// exist at all and which of them need a per-element mask. One runtime type covers no mask,
-// causal and sliding windows (causal is the window (-1, 0)); the mainloops split their key
-// loop at the tiles it names, so full tiles run without a single compare.
+// The mask policy, shared by FA2 and FA3: which keys a query row sees, and for a block of query
+// rows which key tiles exist at all and which of them need a per-element mask. One runtime type
+// covers no mask, causal and sliding windows (causal is the window (-1, 0)); the mainloops split
+// their key loop at the tiles it names, so full tiles run without a single compare.
 #pragma once
 
 #include <cmath>
 #include <type_traits>
 
-#include "common/params.h"
-#include "fa2/fa2_utils.h"
+#include <cute/tensor.hpp>
 
-namespace flash::fa2 {
+#include "common/params.h"
+#include "common/seqinfo.h"
+
+namespace flash {
 
 struct KeyTiles {
   int begin = 0, end = 0;                    // the tiles with a visible key: [begin, end)
@@ -43,6 +45,10 @@ struct Mask {
 
   __device__ explicit Mask(const FwdParams& p)
       : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), left(p.window_left),
+        right(p.causal ? 0 : p.window_right) {}
+  // The mask of one sequence (common/seqinfo.h), aligned to its own lengths.
+  __device__ Mask(const FwdParams& p, const SeqInfo& seq)
+      : seqlen_q(seq.seqlen_q), seqlen_k(seq.seqlen_k), left(p.window_left),
         right(p.causal ? 0 : p.window_right) {}
 
   // Query row i's diagonal key, bottom-right aligned.
@@ -81,16 +87,16 @@ struct Mask {
   template <class S, class C>
   __device__ void apply(S& s, C const& coord, int row0, int col0) const {
 #pragma unroll
-    for (int mi = 0; mi < size<0>(s); ++mi) {
-      const int row = row0 + get<0>(coord(mi, 0));
+    for (int mi = 0; mi < cute::size<0>(s); ++mi) {
+      const int row = row0 + cute::get<0>(coord(mi, 0));
       const int lo = key_begin(row), hi = key_end(row);
 #pragma unroll
-      for (int ni = 0; ni < size<1>(s); ++ni) {
-        const int col = col0 + get<1>(coord(mi, ni));
+      for (int ni = 0; ni < cute::size<1>(s); ++ni) {
+        const int col = col0 + cute::get<1>(coord(mi, ni));
         if (col < lo || col >= hi) s(mi, ni) = -INFINITY;
       }
     }
   }
 };
 
-}  // namespace flash::fa2
+}  // namespace flash

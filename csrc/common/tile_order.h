@@ -1,4 +1,4 @@
-// Which (tile, batch, head) work item each block of an FA2 grid takes. Blocks start in linear
+// Which (tile, batch, head) work item each block of an FA2 grid, or each item an FA3 CTA takes. Blocks start in linear
 // order, so this order decides two things: which items run last (the grid's tail), and which
 // heads' K/V (forward) or Q/dO/dQ (backward) are read at the same time (the L2 working set).
 //
@@ -25,14 +25,13 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
 
 #include <cuda_runtime.h>
 #include <cutlass/fast_math.h>
 
 #include "common/check.h"
 
-namespace flash::fa2 {
+namespace flash {
 
 struct WorkItem {
   int tile;    // 0 = the heaviest tile of its head
@@ -97,13 +96,12 @@ int64_t resident_blocks(Kernel kernel, int threads, int smem_bytes, int num_sms)
   return int64_t(std::max(per_sm, 1)) * std::max(num_sms, 1);
 }
 
-// resident_blocks: blocks of this kernel the whole GPU runs at once.
-// FLASH_ATTN_FA2_HEAD_GROUP=N (read at every call, so benchmarks/ab_switch.py can compare
-// settings in one process) overrides the group; 0 or unset: the rule above.
+// resident_blocks: blocks of this kernel the whole GPU runs at once. forced_group > 0 overrides
+// the group (Tuning::head_group, for A/B runs); 0: the rule above.
 inline TileOrder tile_order(int tiles, int batch, int heads, int heads_per_kv,
-                            int64_t bytes_per_head, int l2_bytes, int64_t resident_blocks) {
-  const char* env = std::getenv("FLASH_ATTN_FA2_HEAD_GROUP");
-  const int64_t forced = env != nullptr ? std::max<int64_t>(0, std::atoll(env)) : int64_t(0);
+                            int64_t bytes_per_head, int l2_bytes, int64_t resident_blocks,
+                            int64_t forced_group = 0) {
+  const int64_t forced = std::max<int64_t>(0, forced_group);
   TileOrder o;
   o.tiles = tiles;
   o.batch_heads = int64_t(batch) * heads;
@@ -124,4 +122,4 @@ inline TileOrder tile_order(int tiles, int batch, int heads, int heads_per_kv,
   return o;
 }
 
-}  // namespace flash::fa2
+}  // namespace flash

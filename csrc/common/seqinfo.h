@@ -1,0 +1,47 @@
+// Where sequence `batch` of a call lies and how long it is: the one place a kernel asks. Today
+// every batch is dense (each sequence has the call's lengths and starts a batch stride into each
+// tensor); the variable-length and KV-cache entry points will build it from cu_seqlens, seqused
+// and page tables, so that the kernels that go through it do not change again.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "common/params.h"
+
+namespace flash {
+
+struct SeqInfo {
+  int batch;
+  int seqlen_q, seqlen_k;
+
+  __host__ __device__ SeqInfo(const FwdParams& p, int batch_)
+      : batch(batch_), seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k) {}
+
+  // Element offsets of the sequence's row 0 in `head` of q, k, v, out.
+  __host__ __device__ int64_t q_offset(const FwdParams& p, int head) const {
+    return batch * p.q_strides.batch + head * p.q_strides.head;
+  }
+  __host__ __device__ int64_t k_offset(const FwdParams& p, int head_k) const {
+    return batch * p.k_strides.batch + head_k * p.k_strides.head;
+  }
+  __host__ __device__ int64_t v_offset(const FwdParams& p, int head_k) const {
+    return batch * p.v_strides.batch + head_k * p.v_strides.head;
+  }
+  __host__ __device__ int64_t o_offset(const FwdParams& p, int head) const {
+    return batch * p.o_strides.batch + head * p.o_strides.head;
+  }
+  // Index of the sequence's row 0 in `head` of the lse, (batch, heads, seqlen_q).
+  __host__ __device__ int64_t lse_offset(const FwdParams& p, int head) const {
+    return (int64_t(batch) * p.heads + head) * p.seqlen_q;
+  }
+  // The sequence's (rows, head_dim) slice of `head` in a (seqlen, head_dim, heads, batch) view,
+  // such as the TMA tensors of the FA3 forward.
+  template <class Tensor>
+  __host__ __device__ auto rows(Tensor const& m, int head) const {
+    return m(cute::_, cute::_, head, batch);
+  }
+};
+
+}  // namespace flash

@@ -1,0 +1,241 @@
+// The FA3 forward's tile table and its per-call plan: which kernel runs a call (tile, schedule,
+// cluster, stream-K), on how many CTAs, with how much workspace. Decided here once per call and
+// read by the launcher (fa3_fwd_launch.cuh). Pure host logic with no CUDA header, so that
+// tests/cpp/test_fa3_plan.cpp checks it on the CPU. Measurements behind every rule:
+// docs/fa3_decisions.md.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "common/params.h"
+#include "common/tuning.h"
+
+namespace flash::fa3 {
+
+// How a consumer warpgroup orders its GEMMs and its softmax: serial (each GEMM waited for at
+// once) or intra-warpgroup overlap (S[n] is issued before P[n+1] V[n+1], and the softmax of
+// S[n] runs while that P V is on the tensor cores).
+enum class Schedule { kSerial, kOverlap };
+
+// One kernel's tile: kBlockN keys per step, a ring of `stages` K / V buffers, `consumers`
+// warpgroups of 64 query rows each beside the producer warpgroup.
+struct TileShape {
+  int block_n = 0, stages = 0, consumers = 0;
+  Schedule schedule = Schedule::kSerial;
+  constexpr int block_m() const { return 64 * consumers; }
+  constexpr bool exists() const { return consumers > 0; }
+};
+
+// The tiles of a head dim's kernels. Limits (H100 / H200): 227 KB of shared memory per block
+// (Q + stages x (K + V), 16-bit); registers per consumer thread after setmaxnreg 240 with two
+// consumers, 160 with three, of which O takes hdim / 2, S kBlockN / 2 and P kBlockN / 4.
+struct HeadDimTiles {
+  TileShape wide;           // the default tile
+  TileShape narrow;         // two consumers, for calls the wide (three) pads or under-fills
+  int wide_gain_pct = 0;    // the wide tile's speed over the narrow one's where both fill, %
+  bool wide_score_mod = true;  // softcap / ALiBi may run the wide tile (else it spills)
+  int cluster_m = 1;        // CTAs per cluster (K / V multicast) for long full attention
+  TileShape stream_k;       // the tile of the stream-K kernel (few items, full attention)
+};
+
+constexpr TileShape kSerial128x3{128, 2, 3, Schedule::kSerial};
+constexpr TileShape kSerial128x2{128, 2, 2, Schedule::kSerial};
+
+// Per row: the limiting resource, then the measured reason.
+// - hdim 64 / 96 / 128: three consumers (192 rows), kBlockN 128 serial, +4..+20% over the best
+//   two-consumer tile where 192 rows fill; hdim 64 has room for three stages (144 KB). The
+//   score-mod kernel of hdim 128's wide tile spills in 160 registers.
+// - hdim 192 / 256: two consumers (O alone is 96 / 128 registers), overlap, the widest
+//   two-stage kBlockN (112 / 80; needs CuTe's extended WGMMA shapes); overlap over serial
+//   +6..10% at hdim 256. hdim 256 full attention in clusters of two: +2.5..3.3% from 2k.
+constexpr HeadDimTiles fwd_tiles(int kernel_hdim) {
+  switch (kernel_hdim) {
+    case 64:
+      return {{128, 3, 3, Schedule::kSerial}, {192, 2, 2, Schedule::kSerial}, 115, true, 1,
+              {192, 2, 2, Schedule::kSerial}};
+    case 96:
+      return {kSerial128x3, kSerial128x2, 110, true, 1, kSerial128x2};
+    case 128:
+      return {kSerial128x3, kSerial128x2, 108, false, 1, kSerial128x2};
+    case 192:
+      return {{112, 2, 2, Schedule::kOverlap}, {}, 0, true, 1, {112, 2, 2, Schedule::kOverlap}};
+    case 256:
+      return {{80, 2, 2, Schedule::kOverlap}, {}, 0, true, 2, {80, 2, 2, Schedule::kOverlap}};
+    default:
+      return {};
+  }
+}
+
+// Which instantiation runs: the wide tile, the narrow one, the wide one in clusters, or the
+// stream-K kernel.
+enum class FwdKernel { kWide, kNarrow, kCluster, kStreamK };
+
+struct FwdPlan {
+  FwdKernel kernel = FwdKernel::kWide;
+  bool score_mod = false;   // softcap or ALiBi: the kernels that apply them
+  TileShape tile;           // the kernel's tile
+  int cluster_m = 1;
+  int64_t items = 0;        // (query tile or cluster's tiles, head, batch) work items
+  // The grid, in CTAs: one per SM (every kernel takes all 64K registers of one), fewer where
+  // there are fewer items or stream-K workers. The cluster kernel's grid is further limited by
+  // the launcher to the clusters the GPU runs at once. 0: nothing to launch.
+  int64_t ctas = 0;
+  // Stream-K: every item has key_tiles key tiles; `workers` CTAs run items k workers + w below
+  // `lattice` whole and cut the rest into pieces (fa3_scheduler.h).
+  int64_t key_tiles = 0, workers = 0, lattice = 0;
+  // Scratch in global memory: the dynamic scheduler's counter (and stream-K's counts, flags and
+  // published pieces); the launcher zeroes its first zero_bytes on the stream.
+  int64_t workspace_bytes = 0, zero_bytes = 0;
+  int head_group = 0;  // the tile order's heads per group; 0: automatic (Tuning::head_group)
+};
+
+// Stream-K's workspace for `ctas` workers of `consumers` warpgroups at head dim `hdim`, in
+// 4-byte words: the scheduler's counter (64 words), per CTA and consumer a count, and two
+// published pieces per CTA and consumer, each a flag and, after the ints, 128 threads x
+// (hdim / 2 + 4) floats.
+struct StreamKLayout {
+  int64_t ctas, consumers, hdim;
+  static constexpr int64_t kCountOffset = 64;
+  constexpr int64_t flag_offset() const { return kCountOffset + consumers * ctas; }
+  constexpr int64_t ints() const { return (kCountOffset + 3 * consumers * ctas + 63) / 64 * 64; }
+  constexpr int64_t part_floats() const { return 128 * (hdim / 2 + 4); }
+  constexpr int64_t bytes() const { return ints() * 4 + 2 * consumers * ctas * part_floats() * 4; }
+};
+
+namespace plan_detail {
+
+inline bool full_attention(const FwdParams& p) {
+  return !p.causal && p.window_left < 0 && p.window_right < 0;
+}
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Stream-K's workers for a call, 0 where it does not run: where cutting the items gives every
+// item two CTAs or more, each with six key tiles or more, and no item more than eight pieces
+// (an item's last piece reads the others' fp32 O on one SM). It paid up to 3.8x on few items and
+// lost 0.5% on the benchmark's many.
+inline int64_t stream_k_workers(const FwdParams& p, const TileShape& tile, int forced) {
+  if (!tile.exists() || !full_attention(p) || p.softcap > 0.f || p.alibi_slopes != nullptr ||
+      p.seqlen_k == 0 || forced == 0) {
+    return 0;
+  }
+  const int64_t items = ceil_div(p.seqlen_q, tile.block_m()) * p.heads * p.batch;
+  const int64_t key_tiles = ceil_div(p.seqlen_k, tile.block_n);
+  const int64_t workers =
+      std::min<int64_t>(p.num_sms, std::min<int64_t>(items * key_tiles / 6, items * 8));
+  if (forced > 0) return items > 0 ? std::max<int64_t>(workers, 1) : 0;
+  return items > 0 && workers >= 2 * items ? workers : 0;
+}
+
+// Clusters pay where the K / V stream is the limit: long items that fill the GPU twice (short
+// ones lost 1-5%, not understood).
+inline bool cluster_pays(const FwdParams& p, int64_t items) {
+  return p.seqlen_k >= 2048 && items >= 2 * int64_t(p.num_sms);
+}
+
+// Whether seqlen_q rows pad less on the narrow tile, counting consumer warpgroups per (batch,
+// head): a consumer whose rows all lie past seqlen_q skips its GEMMs, so padding costs only
+// where it leaves a tile with a lone busy consumer (no other warpgroup to run its softmax
+// under: counted as two). Weighed by the wide tile's gain.
+inline bool narrow_pads_less(const HeadDimTiles& t, int64_t seqlen_q) {
+  auto consumers = [&](int64_t per_tile) {
+    const int64_t rows = 64 * per_tile, rest = (seqlen_q % rows + 63) / 64;
+    return seqlen_q / rows * per_tile + (rest == 0 ? 0 : rest < 2 ? 2 : rest);
+  };
+  return consumers(t.narrow.consumers) * t.wide_gain_pct < consumers(t.wide.consumers) * 100;
+}
+
+// Whether the narrow tile's items fill the GPU where the wide tile's leave SMs idle: at most two
+// narrow items per SM, full attention or causal up to 2k keys (+3..26% on 30 shapes; the wide
+// tile wins above).
+inline bool narrow_fills(const FwdParams& p, int64_t narrow_items) {
+  const bool causal = p.causal && p.window_left < 0;
+  return narrow_items <= 2 * int64_t(p.num_sms) &&
+         (full_attention(p) || (causal && p.seqlen_k <= 2048));
+}
+
+inline bool narrow_pays(const FwdParams& p, const HeadDimTiles& t, int forced) {
+  if (forced > 0) return true;
+  if (narrow_pads_less(t, p.seqlen_q)) return true;
+  if (forced == 0) return false;
+  return narrow_fills(p, ceil_div(p.seqlen_q, t.narrow.block_m()) * p.heads * p.batch);
+}
+
+// Stream-K cuts the items past the lattice only where there are such items and every worker's
+// range holds two key tiles or more; else every item is whole (the plain static stride).
+inline bool stream_k_cuts(int64_t items, int64_t key_tiles, int64_t workers) {
+  return items % workers != 0 && (items % workers) * key_tiles >= 2 * workers;
+}
+
+}  // namespace plan_detail
+
+// The grid and workspace of a plan whose kernel, tile and cluster are chosen (by plan_fwd, or
+// by the harness for a tile of its own).
+inline FwdPlan size_plan(const FwdParams& p, int kernel_hdim, FwdPlan plan,
+                         const Tuning& tuning = {}) {
+  using namespace plan_detail;
+  const int64_t rows = int64_t(plan.tile.block_m()) * plan.cluster_m;
+  plan.items = ceil_div(p.seqlen_q, rows) * p.heads * p.batch;
+  plan.workspace_bytes = plan.zero_bytes = sizeof(unsigned);
+  plan.head_group = tuning.head_group;
+  if (plan.kernel == FwdKernel::kStreamK) {
+    plan.workers = tuning.fa3_ctas > 0 ? tuning.fa3_ctas
+                                       : stream_k_workers(p, plan.tile, /*forced=*/1);
+    plan.ctas = plan.workers;
+    plan.key_tiles = ceil_div(p.seqlen_k, plan.tile.block_n);
+    plan.lattice = plan.workers > 0 && stream_k_cuts(plan.items, plan.key_tiles, plan.workers)
+                       ? plan.items / plan.workers * plan.workers
+                       : plan.items;
+    const StreamKLayout layout{plan.ctas, plan.tile.consumers, kernel_hdim};
+    plan.workspace_bytes = layout.bytes();
+    plan.zero_bytes = layout.ints() * 4;
+  } else {
+    const int64_t grid =
+        tuning.fa3_ctas > 0 ? tuning.fa3_ctas : std::max(p.num_sms, 1) / plan.cluster_m;
+    plan.ctas = std::min(plan.items, grid) * plan.cluster_m;
+  }
+  return plan;
+}
+
+// The plan of a call to the kernels of head dim kernel_hdim (an instantiated one: 64, 96, 128,
+// 192, 256). p needs its sizes, mask, score mods and num_sms.
+inline FwdPlan plan_fwd(const FwdParams& p, int kernel_hdim, const Tuning& tuning = {}) {
+  using namespace plan_detail;
+  const HeadDimTiles t = fwd_tiles(kernel_hdim);
+  FwdPlan plan;
+  plan.score_mod = p.softcap > 0.f || p.alibi_slopes != nullptr;
+  plan.tile = t.wide;
+  const bool stream_k =
+      !plan.score_mod && stream_k_workers(p, t.stream_k, tuning.fa3_stream_k) > 0;
+  const int64_t wide_items = ceil_div(p.seqlen_q, t.wide.block_m()) * p.heads * p.batch;
+  const bool cluster = t.cluster_m > 1 && !plan.score_mod && full_attention(p) &&
+                       (tuning.fa3_cluster >= 0 ? tuning.fa3_cluster > 0
+                                                : cluster_pays(p, wide_items));
+  if (stream_k) {
+    plan.kernel = FwdKernel::kStreamK;
+    plan.tile = t.stream_k;
+  } else if (cluster) {
+    plan.kernel = FwdKernel::kCluster;
+    plan.cluster_m = t.cluster_m;
+  } else if (t.narrow.exists() && ((plan.score_mod && !t.wide_score_mod) ||
+                                   narrow_pays(p, t, tuning.fa3_narrow))) {
+    plan.kernel = FwdKernel::kNarrow;
+    plan.tile = t.narrow;
+  }
+  return size_plan(p, kernel_hdim, plan, tuning);
+}
+
+// Why this plan cannot run (a size past the kernels' 32-bit item indices), nullptr if it can.
+inline const char* plan_error(const FwdPlan& plan) {
+  if (plan.items + plan.ctas > INT_MAX) {
+    return "more than 2^31 - 1 (query tile, head, batch) work items";
+  }
+  if (plan.kernel == FwdKernel::kStreamK &&
+      (plan.workers <= 0 || (plan.items % plan.workers) * plan.key_tiles > INT_MAX)) {
+    return "no stream-K workers, or more than 2^31 - 1 stream-K units";
+  }
+  return nullptr;
+}
+
+}  // namespace flash::fa3

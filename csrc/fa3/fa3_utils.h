@@ -1,0 +1,114 @@
+// Small SM90 helpers of the FA3 forward: warp roles and named barriers, WGMMA fragment views,
+// the issue of one warpgroup GEMM, and the register tricks that keep ptxas's scheduling where
+// the kernel needs it.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+namespace flash::fa3 {
+
+using namespace cute;
+
+// Warpgroup 0 produces (TMA loads), the others consume (64 query rows each).
+enum class WarpRole { Producer, Consumer };
+__device__ __forceinline__ WarpRole warp_role(int warpgroup) {
+  return warpgroup == 0 ? WarpRole::Producer : WarpRole::Consumer;
+}
+
+// Named barriers (CUTLASS's user ids, above the ones it reserves). The staged epilogue (hdim
+// 256) writes O into the item's last K and V stages: KFree, consumer 1's last S GEMM has read K;
+// VFree, consumer 0's last P V has read V (256 threads each). ConsumerOwn + c: consumer c's own
+// 128 threads.
+enum class FwdBarrier : uint32_t { KFree = 2, VFree = 3, ConsumerOwn = 4 };
+__device__ __forceinline__ void barrier_sync(int threads, FwdBarrier id, int offset = 0) {
+  cutlass::arch::NamedBarrier::sync(threads, uint32_t(id) + offset);
+}
+__device__ __forceinline__ void barrier_arrive(int threads, FwdBarrier id) {
+  cutlass::arch::NamedBarrier::arrive(threads, uint32_t(id));
+}
+
+// An SM90 accumulator ((2 cols, 2 rows, N / 8), MMA_M, MMA_N) seen as (rows, cols).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto rowcol(Layout const& acc) {
+  static_assert(rank(Layout{}) == 3);
+  auto atom = get<0>(acc);
+  return make_layout(make_layout(get<1>(atom), get<1>(acc)),
+                     make_layout(get<0>(atom), get<2>(atom), get<2>(acc)));
+}
+
+// The S accumulator converted to 16 bits, as the A operand of the RS WGMMA: each k16 slice
+// is two adjacent n8 blocks. ((2, 2, N/8), M, N) -> ((2, 2, 2), M, (N/16, N)).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(Layout const& acc) {
+  auto split = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, N/16))
+  return make_layout(make_layout(get<0>(split), get<1>(split), get<2, 0>(split)), get<1>(acc),
+                     make_layout(get<2, 1>(split), get<2>(acc)));
+}
+
+// Keeps the compiler from moving shared-memory accesses across CUTLASS's mbarrier waits and
+// arrives, whose asm has no memory clobber (the hardware ordering is the mbarriers').
+__device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
+
+// One warpgroup's GEMM, issued and committed (not waited for). zero: C = A B (C's registers
+// are not read), else C += A B.
+template <class Mma, class A, class B, class C>
+__device__ __forceinline__ void wgmma(Mma& mma, A const& a, B const& b, C& c, bool zero) {
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = zero ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+}
+
+// Ends the life of a float fragment's values for the compiler: an empty asm that writes each
+// register without reading it. An item's first P V overwrites O (ScaleOut::Zero) but its asm
+// reads the registers all the same, which would keep the previous item's O alive next to the
+// one being stored (640 B of spills at hdim 256 without it).
+template <class Fragment>
+__device__ __forceinline__ void forget(Fragment& f) {
+  CUTE_UNROLL
+  for (int k = 0; k < size(f); ++k) asm volatile("" : "=f"(f(k)));
+}
+
+// True, in a way the compilers cannot see (the lane index is below 32): a branch on it ends a
+// basic block, below which ptxas does not hoist a wait.
+__device__ __forceinline__ bool opaque_true() {
+  uint32_t lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane < 32;
+}
+
+// A 4 x 4 transpose of 32-bit words across the four lanes of a quad (lane = quad index):
+// w[j] of lane i becomes w[i] of lane j. Two xor shuffles, each swapping half of the words;
+// every lane of the warp must call it.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int quad) {
+  CUTE_UNROLL
+  for (int bit = 1; bit <= 2; bit *= 2) {
+    const bool upper = quad & bit;
+    CUTE_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      if (k & bit) continue;  // the pair (k, k + bit)
+      const uint32_t recv = __shfl_xor_sync(0xffffffff, upper ? w[k] : w[k + bit], bit);
+      (upper ? w[k] : w[k + bit]) = recv;
+    }
+  }
+}
+
+// Four 8 x 8 matrices of 16-bit pairs from an accumulator fragment into shared memory
+// (stmatrix): register j goes to matrix j, whose eight row addresses lanes 8j..8j+7 give.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+}  // namespace flash::fa3

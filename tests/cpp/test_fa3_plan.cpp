@@ -1,0 +1,139 @@
+// The FA3 forward's per-call plan (csrc/fa3/fa3_plan.h) on the CPU: which kernel a call runs, on
+// how many CTAs, with how much workspace. Built and run by tests/test_plans.py (any C++17
+// compiler; the plan is pure host logic). Exit status 0: every check passed.
+#include <cstdio>
+#include <string>
+
+#include "fa3/fa3_plan.h"
+
+using flash::FwdParams;
+using flash::Tuning;
+using namespace flash::fa3;
+
+static int failures = 0;
+#define CHECK(cond)                                                       \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      std::printf("%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                         \
+    }                                                                     \
+  } while (0)
+
+// A call on an H100-sized GPU (132 SMs), dense batch, full attention unless changed.
+static FwdParams call(int batch, int seqlen_q, int seqlen_k, int heads, int heads_k) {
+  FwdParams p;
+  p.batch = batch, p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.heads = heads, p.heads_k = heads_k, p.num_sms = 132;
+  p.window_left = p.window_right = -1;
+  return p;
+}
+static FwdParams causal(FwdParams p) {
+  p.causal = true, p.window_right = 0;
+  return p;
+}
+
+int main() {
+  // hdim 128, the benchmark's 2k (8 x 2k x 16 heads): 1408 items of 192 rows fill the GPU
+  // five times over and 2048 rows pad no more on the wide tile: the wide tile, one CTA per SM.
+  {
+    const FwdPlan plan = plan_fwd(call(8, 2048, 2048, 16, 16), 128);
+    CHECK(plan.kernel == FwdKernel::kWide && plan.tile.consumers == 3 && !plan.score_mod);
+    CHECK(plan.items == 11 * 8 * 16 && plan.ctas == 132 && plan.workspace_bytes == 4);
+    CHECK(plan.zero_bytes == 4 && plan_error(plan) == nullptr);
+  }
+  // 256 rows pad a 192-row tile to a lone busy consumer: the narrow tile; 512 stays wide once
+  // the items fill the GPU twice.
+  CHECK(plan_fwd(call(16, 256, 256, 64, 64), 128).kernel == FwdKernel::kNarrow);
+  CHECK(plan_fwd(call(16, 512, 512, 64, 64), 128).kernel == FwdKernel::kWide);
+  // Few items: the narrow tile's fill the GPU where the wide tile's leave SMs idle (full, or
+  // causal up to 2k keys); causal at 4k stays wide.
+  CHECK(plan_fwd(call(1, 2048, 2048, 8, 8), 128).kernel == FwdKernel::kNarrow);
+  CHECK(plan_fwd(causal(call(1, 2048, 2048, 8, 8)), 128).kernel == FwdKernel::kNarrow);
+  CHECK(plan_fwd(causal(call(1, 4096, 4096, 16, 16)), 128).kernel == FwdKernel::kWide);
+  // Overrides: narrow everywhere, or only where it pads less.
+  {
+    Tuning t;
+    t.fa3_narrow = 1;
+    CHECK(plan_fwd(call(8, 2048, 2048, 16, 16), 128, t).kernel == FwdKernel::kNarrow);
+    t.fa3_narrow = 0;
+    CHECK(plan_fwd(call(1, 2048, 2048, 8, 8), 128, t).kernel == FwdKernel::kWide);
+    CHECK(plan_fwd(call(16, 256, 256, 64, 64), 128, t).kernel == FwdKernel::kNarrow);
+  }
+  // Score mods: hdim 128's wide score-mod kernel spills, so softcap runs the narrow tile; no
+  // stream-K or cluster kernel has them.
+  {
+    FwdParams p = call(8, 2048, 2048, 16, 16);
+    p.softcap = 30.f;
+    const FwdPlan plan = plan_fwd(p, 128);
+    CHECK(plan.kernel == FwdKernel::kNarrow && plan.score_mod);
+    FwdParams decode = call(1, 1, 4096, 16, 4);
+    decode.softcap = 30.f;
+    CHECK(plan_fwd(decode, 256).kernel == FwdKernel::kWide);
+  }
+  // A decode step at hdim 256 (16 items x 52 key tiles): stream-K on 128 workers, every item
+  // cut (the lattice is empty), with the workspace of its published pieces.
+  {
+    const FwdPlan plan = plan_fwd(call(1, 1, 4096, 16, 4), 256);
+    CHECK(plan.kernel == FwdKernel::kStreamK && plan.tile.block_n == 80);
+    CHECK(plan.items == 16 && plan.key_tiles == 52 && plan.workers == 128 && plan.ctas == 128);
+    CHECK(plan.lattice == 0);
+    const StreamKLayout layout{128, 2, 256};
+    CHECK(plan.workspace_bytes == layout.bytes() && plan.zero_bytes == layout.ints() * 4);
+    CHECK(layout.ints() % 64 == 0 && layout.flag_offset() == 64 + 2 * 128);
+    Tuning off;
+    off.fa3_stream_k = 0;
+    CHECK(plan_fwd(call(1, 1, 4096, 16, 4), 256, off).kernel == FwdKernel::kWide);
+    Tuning workers;
+    workers.fa3_ctas = 40;
+    const FwdPlan forced = plan_fwd(call(1, 1, 4096, 16, 4), 256, workers);
+    CHECK(forced.workers == 40 && forced.ctas == 40 && forced.lattice == 0);
+  }
+  // A decode step with short keys (12 items x 10 key tiles): pieces would have fewer than six
+  // key tiles, so no stream-K; forced, it runs on at least one worker.
+  {
+    CHECK(plan_fwd(call(1, 1, 777, 12, 4), 256).kernel == FwdKernel::kWide);
+    Tuning on;
+    on.fa3_stream_k = 1;
+    const FwdPlan plan = plan_fwd(call(1, 1, 777, 12, 4), 256, on);
+    CHECK(plan.kernel == FwdKernel::kStreamK && plan.workers >= 1);
+  }
+  // Causal or windowed calls never run stream-K or clusters.
+  CHECK(plan_fwd(causal(call(1, 1, 4096, 16, 4)), 256).kernel == FwdKernel::kWide);
+  // hdim 256 full attention from 2k keys with two items per SM: clusters of two, as many
+  // CTAs as SMs (the launcher may cap them at the clusters that run at once).
+  {
+    const FwdPlan plan = plan_fwd(call(4, 4096, 4096, 8, 8), 256);
+    CHECK(plan.kernel == FwdKernel::kCluster && plan.cluster_m == 2);
+    CHECK(plan.items == 16 * 4 * 8 && plan.ctas == 132);
+    CHECK(plan_fwd(causal(call(4, 4096, 4096, 8, 8)), 256).kernel == FwdKernel::kWide);
+    CHECK(plan_fwd(call(4, 1024, 1024, 8, 8), 256).kernel == FwdKernel::kWide);
+    Tuning t;
+    t.fa3_cluster = 1;
+    t.fa3_stream_k = 0;
+    CHECK(plan_fwd(call(2, 300, 200, 4, 2), 256, t).kernel == FwdKernel::kCluster);
+    t.fa3_cluster = 0;
+    CHECK(plan_fwd(call(4, 4096, 4096, 8, 8), 256, t).kernel == FwdKernel::kWide);
+  }
+  // A grid of one CTA per item (the harness's A/B) and fewer items than SMs.
+  {
+    Tuning t;
+    t.fa3_ctas = 1408;
+    CHECK(plan_fwd(call(8, 2048, 2048, 16, 16), 128, t).ctas == 1408);
+    CHECK(plan_fwd(causal(call(1, 300, 300, 2, 2)), 192).ctas == 6);
+  }
+  // Sizes past the kernels' 32-bit item indices are refused.
+  {
+    const FwdPlan plan = plan_fwd(causal(call(1 << 20, 1 << 20, 1 << 20, 64, 64)), 128);
+    CHECK(plan_error(plan) != nullptr);
+  }
+  // Every head dim's table row is a tile the kernels can have.
+  for (int hdim : {64, 96, 128, 192, 256}) {
+    const HeadDimTiles t = fwd_tiles(hdim);
+    CHECK(t.wide.exists() && t.stream_k.exists() && t.wide.block_n % 16 == 0);
+    CHECK(t.wide.consumers == 2 || t.wide.consumers == 3);
+    CHECK(!t.narrow.exists() || (t.narrow.consumers == 2 && t.wide_gain_pct > 100));
+  }
+  CHECK(!fwd_tiles(80).wide.exists());
+  if (failures == 0) std::printf("fa3 plan: all checks passed\n");
+  return failures == 0 ? 0 : 1;
+}
