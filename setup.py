@@ -2,7 +2,7 @@
 
     pip install --no-build-isolation .        # needs torch (CUDA build), nvcc, ninja, nvidia-cutlass
 
-What gets compiled is the build matrix in flash_attn/build_matrix.py, trimmed by the switches
+What gets compiled is the build matrix in src/flash_attn/build_matrix.py, trimmed by the switches
 FLASH_ATTN_CUDA_ARCHS / _FAMILIES / _HDIMS / _DTYPES; FLASH_ATTN_SKIP_CUDA_BUILD=1 installs the
 Python package alone. MAX_JOBS bounds parallel compile jobs; CUTLASS_DIR overrides where the
 CUTLASS headers come from (third_party/find_cutlass.py). Build with ``pip install -v`` to see the
@@ -38,7 +38,7 @@ def _load_by_path(name: str, path: Path):
 
 
 def _version() -> str:
-    path = ROOT / "flash_attn" / "_version.py"
+    path = ROOT / "src" / "flash_attn" / "_version.py"
     match = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", path.read_text(), re.M)
     if match is None:
         raise RuntimeError(f"no __version__ = '...' line in {path}")
@@ -67,7 +67,7 @@ COMMON_SOURCES = ["csrc/common/dropout_mask.cu"]
 
 def _cuda_extension():
     """The CUDAExtension and its BuildExtension; imports torch, so only when building it."""
-    build_matrix = _load_by_path("_flash_attn_build_matrix", ROOT / "flash_attn" / "build_matrix.py")
+    build_matrix = _load_by_path("_flash_attn_build_matrix", ROOT / "src" / "flash_attn" / "build_matrix.py")
     find_cutlass = _load_by_path("_flash_attn_find_cutlass", ROOT / "third_party" / "find_cutlass.py")
 
     import torch
@@ -91,7 +91,8 @@ def _cuda_extension():
     configs = build_matrix.selected_configs()
     archs = build_matrix.cuda_archs()
     ptx = build_matrix.ptx_arch()  # the "+PTX" entry (sm90 when unset), None for none
-    kernel_sources = build_matrix.write_sources(ROOT / "csrc" / "generated", configs, archs, ptx)
+    kernel_sources = build_matrix.write_sources(ROOT / "csrc" / "generated", configs, archs, ptx,
+                                                ROOT)
     api_sources = sorted(glob.glob("csrc/api/*.cpp"))
     if not api_sources:
         sys.exit("flash-attn: csrc/api/*.cpp is missing (the torch glue, flash_api.cpp).")
@@ -165,6 +166,7 @@ else:
 setup(
     version=_version(),
     packages=["flash_attn"],
+    package_dir={"": "src"},
     include_package_data=False,
     install_requires=install_requires,
     ext_modules=ext_modules,

@@ -52,16 +52,16 @@ def load_flash_attn():
     of this checkout, which is preferred when its extension is present). When that import fails
     or finds a flash_attn without ``available_backends`` (another implementation), this
     checkout is tried. The JSON records which file was imported."""
-    source = REPO_ROOT / "flash_attn"
-    if any(source.glob("_C*.so")) and str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
+    source = REPO_ROOT / "src" / "flash_attn"
+    if any(source.glob("_C*.so")) and str(source.parent) not in sys.path:
+        sys.path.insert(0, str(source.parent))
     fa, error = _import_flash_attn()
     if fa is not None and not hasattr(fa, "available_backends"):
         fa, error = None, f"{fa.__file__} is not this project's flash_attn (no available_backends)"
-    if fa is None and (source / "__init__.py").exists() and sys.path[0] != str(REPO_ROOT):
+    if fa is None and (source / "__init__.py").exists() and sys.path[0] != str(source.parent):
         for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
             del sys.modules[name]
-        sys.path.insert(0, str(REPO_ROOT))
+        sys.path.insert(0, str(source.parent))
         fa, checkout_error = _import_flash_attn()
         error = None if fa is not None else f"{error}; checkout: {checkout_error}"
     return fa, error
@@ -124,9 +124,13 @@ def make_backends(names: list[str], fa, ours: list[str],
     return backends
 
 
-def _ours_fn(fa, name: str) -> AttnFn:
+def _ours_fn(fa, name: str, tuning: dict | None = None) -> AttnFn:
+    """flash_attn_func on family name; tuning: its private overrides of the kernels' automatic
+    choices (csrc/common/tuning.h), for A/B runs."""
+    extra = {"_tuning": tuning} if tuning else {}
+
     def fn(q, k, v, causal):
-        return fa.flash_attn_func(q, k, v, causal=causal, backend=name)
+        return fa.flash_attn_func(q, k, v, causal=causal, backend=name, **extra)
     return fn
 
 

@@ -1,8 +1,8 @@
 """Forward throughput where seqlen_q differs from seqlen_k: decode steps, chunked prefill and
 cross-attention, where a call has few (query tile, head, batch) items and long keys, unlike
 benchmark_attn.py's grid (seqlen_q = seqlen_k, 16k tokens). One table from one run: our
-forward as dispatched, our forward with a run-time switch at another value (default
-FLASH_ATTN_FA3_STREAM_K=0, the FA3 forward without stream-K), SDPA's cuDNN and flash backends.
+forward as dispatched, our forward with a tuning override (default fa3_stream_k=0, the FA3
+forward without stream-K; csrc/common/tuning.h), SDPA's cuDNN and flash backends.
 
     python3 benchmarks/benchmark_cross.py --out-dir benchmarks/results --tag fa3sk
 
@@ -13,7 +13,6 @@ pairs on or below the diagonal.
 """
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -66,8 +65,8 @@ def main(argv=None) -> int:
                     help="batchxseqlen_qxseqlen_kxheads,... (default: decode, chunked prefill)")
     ap.add_argument("--hdims", default="128,256")
     ap.add_argument("--backend", default="fa3")
-    ap.add_argument("--switch", default="FLASH_ATTN_FA3_STREAM_K=0",
-                    help="NAME=value for the second column of ours")
+    ap.add_argument("--tuning", default="fa3_stream_k=0",
+                    help="NAME=value for the second column of ours (csrc/common/tuning.h)")
     ap.add_argument("--causal", action="store_true", help="causal mask (bottom-right)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(C.DTYPES))
     ap.add_argument("--rounds", type=int, default=3)
@@ -84,49 +83,41 @@ def main(argv=None) -> int:
         sys.exit(f"benchmark_cross: flash_attn did not import: {error}")
     device = torch.device("cuda")
     dtype = C.DTYPES[args.dtype]
-    name, value = args.switch.split("=", 1)
-    ours = C._ours_fn(fa, args.backend)
-    columns = [(args.backend, ours, None), (f"{args.backend} {name}={value}", ours, value),
-               ("cudnn", C.BASELINE_FNS["cudnn"], None),
-               ("sdpa_flash", C.BASELINE_FNS["sdpa_flash"], None)]
+    name, value = args.tuning.split("=", 1)
+    columns = [(args.backend, C._ours_fn(fa, args.backend)),
+               (f"{args.backend} {name}={value}",
+                C._ours_fn(fa, args.backend, {name: int(value)})),
+               ("cudnn", C.BASELINE_FNS["cudnn"]),
+               ("sdpa_flash", C.BASELINE_FNS["sdpa_flash"])]
     round_args = argparse.Namespace(
         reps=0, warmup=args.warmup, rounds=1, target_ms=args.target_ms / args.rounds,
         min_reps=max(1, args.min_reps // args.rounds),
         max_reps=max(1, args.max_reps // args.rounds))
     header = ["hdim", "batch", "seqlen_q", "seqlen_k", "heads",
-              *[f"{c} TFLOP/s" for c, _, _ in columns], f"{args.backend} / cudnn",
+              *[f"{c} TFLOP/s" for c, _ in columns], f"{args.backend} / cudnn",
               f"{args.backend} / {name}={value}"]
     rows, records = [], []
-    saved = os.environ.get(name)
     for d in C.parse_int_list(args.hdims):
         for b, sq, sk, h in args.shapes:
             sets = make_inputs(b, sq, sk, h, d, dtype, device)
             flops = 4 * b * h * d * attended_pairs(sq, sk, args.causal)
-            times = {c: [] for c, _, _ in columns}
+            times = {c: [] for c, _ in columns}
             errors = {}
             for _ in range(args.rounds):
-                for label, fn, env in columns:
+                for label, fn in columns:
                     if label in errors:
                         continue
-                    if env is not None:
-                        os.environ[name] = env
                     try:
                         times[label] += B.time_cell(fn, sets, args.causal, "fwd", round_args,
                                                     device)
                     except Exception as e:  # a baseline that does not take the shape
                         errors[label] = C.describe_error(e)
-                    finally:
-                        if env is not None:
-                            if saved is None:
-                                os.environ.pop(name, None)
-                            else:
-                                os.environ[name] = saved
             tf = {c: flops / statistics.median(t) / 1e9 if t and c not in errors else None
                   for c, t in times.items()}
             fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
             ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
             rows.append([str(d), str(b), str(sq), str(sk), str(h),
-                         *[fmt(tf[c]) for c, _, _ in columns],
+                         *[fmt(tf[c]) for c, _ in columns],
                          ratio(tf[args.backend], tf["cudnn"]),
                          ratio(tf[args.backend], tf[columns[1][0]])])
             records.append({"hdim": d, "batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads": h,
@@ -144,7 +135,7 @@ def main(argv=None) -> int:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         lines = C.meta_lines(meta)
         (args.out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n\n" + table + "\n")
-        C.write_json({"meta": meta, "dtype": args.dtype, "switch": args.switch,
+        C.write_json({"meta": meta, "dtype": args.dtype, "tuning": args.tuning,
                       "causal": args.causal,
                       "results": records}, args.out_dir / f"{stem}.json")
     return 0

@@ -13,9 +13,11 @@ compiled ``flash_attn._C``::
     @requires_backend("fa2")           # also skips unless this build runs fa2 on this GPU
     def test_fa2_only(): ...
 
-Items marked ``gpu`` are skipped, with the reason, when ``gpu_skip_reason()`` is not None (no
-CUDA device, or the package was installed without its kernels), so CPU CI runs the same files.
-The ``cuda_device`` fixture does the same for a single test and returns ``torch.device('cuda')``.
+Items marked ``gpu`` are skipped, with the reason, where there is no CUDA device, so CPU CI
+runs the same files. Where there is one, a missing, unloadable or stale extension (built from
+other sources than this checkout's csrc/) stops the session with the reason instead: a GPU run
+that skipped its GPU tests would look like a pass. The ``cuda_device`` fixture returns
+``torch.device('cuda')``, skipping without a device.
 
 CPU tests of the frontend
 -------------------------
@@ -28,6 +30,7 @@ import functools
 import math
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,15 +41,30 @@ from flash_attn import _dispatch, _validate, build_matrix, reference
 
 # ---- GPU tests --------------------------------------------------------------------------------
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
 @functools.lru_cache(maxsize=None)
 def gpu_skip_reason():
-    """None when GPU tests can run here, else why not."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
+    """None when GPU tests can run here, "no CUDA device" where they skip."""
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
+@functools.lru_cache(maxsize=None)
+def extension_problem():
+    """Why this GPU machine cannot run the GPU tests: no usable flash_attn._C, or one built
+    from other sources than this checkout's csrc/. None if it can."""
     try:
         _dispatch.built_configs()
     except RuntimeError as e:
         return f"flash_attn._C is not usable: {e}"
+    ext = sys.modules["flash_attn._C"]
+    if (ROOT / "csrc").is_dir():
+        ours, built = build_matrix.source_hash(ROOT), getattr(ext, "source_hash", lambda: "")()
+        if built != ours:
+            return (f"flash_attn._C ({ext.__file__}) was built from other sources than "
+                    f"{ROOT / 'csrc'} (source hash {built or 'unrecorded'}, checkout {ours}): "
+                    "rebuild it (README: Install)")
     return None
 
 
@@ -64,6 +82,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")
+                 or item.get_closest_marker("backend")]
+    if gpu_items and gpu_skip_reason() is None and extension_problem() is not None:
+        pytest.exit(f"{len(gpu_items)} GPU tests cannot run on this GPU machine: "
+                    f"{extension_problem()}", returncode=3)
     for item in items:
         marker = item.get_closest_marker("backend")
         if marker is not None:

@@ -254,7 +254,7 @@ def test_write_sources_built_archs(tmp_path, ptx, text):
 
 
 def test_generator_main_reads_the_switch(tmp_path):
-    # What CMake runs: python flash_attn/build_matrix.py OUT_DIR, with the switches in the env.
+    # What CMake runs: python src/flash_attn/build_matrix.py OUT_DIR, with the switches in the env.
     env = dict(os.environ, FLASH_ATTN_CUDA_ARCHS="80,90+PTX", FLASH_ATTN_HDIMS="64")
     subprocess.run([sys.executable, M.__file__, str(tmp_path)], env=env, check=True,
                    capture_output=True)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_version_file_is_one_line_setup_py_can_read():
-    text = (ROOT / "flash_attn" / "_version.py").read_text()
+    text = (ROOT / "src" / "flash_attn" / "_version.py").read_text()
     assert re.fullmatch(r'__version__ = "2\.\d+\.\d+"\n', text), text
 
 

@@ -523,6 +523,12 @@ at::Tensor dropout_mask(const at::Tensor& rng_state, int64_t batch, int64_t head
   return mask;
 }
 
+// The hash of the csrc/ this build was made from (build_matrix.source_hash): the tests of a
+// checkout compare it with theirs.
+constexpr const char* kSourceHash =
+#include "generated/source_hash.inc"
+    ;
+
 std::vector<int> built_archs() { return target_archs(); }
 
 int ptx_arch() { return kPtxArch; }
@@ -557,6 +563,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(family, direction, dtype, hdim, min_arch) of every kernel in this build");
   m.def("built_archs", &built_archs,
         "compute capabilities (major*10+minor) with machine code in this build");
+  m.def("source_hash", [] { return std::string(kSourceHash); },
+        "hash of the csrc/ sources this build was made from (build_matrix.source_hash)");
   m.def("ptx_arch", &ptx_arch,
         "compute capability whose portable PTX this build carries (the FLASH_ATTN_CUDA_ARCHS "
         "entry marked +PTX), 0: none");

@@ -1,17 +1,16 @@
-"""A/B of a run-time switch of our kernels, in one process: each cell is timed with the
-environment variable at each of its values and with SDPA's flash backend, in rounds that
-alternate between them (so a clock drift falls on all alike), on benchmark_attn.py's shapes.
+"""A/B of one of the kernels' tuning overrides (csrc/common/tuning.h, the private _tuning of
+flash_attn_func), in one process: each cell is timed with the override at each of its values
+and with SDPA's flash backend, in rounds that alternate between them (so a clock drift falls
+on all alike), on benchmark_attn.py's shapes.
 
-    python3 benchmarks/ab_switch.py --switch FLASH_ATTN_FA2_BWD_DQ_BULK=1,0 --modes bwd \\
+    python3 benchmarks/ab_tuning.py --tuning fa2_dq_bulk=-1,0 --modes bwd \\
         --hdims 64,128 --seqlens 1k,2k,4k,16k --causal both
 
 Prints one row per cell: TFLOP/s of each variant and of sdpa_flash, each variant over
-sdpa_flash, and the last variant over the first. Only for switches read at every call (the
-kernels' launchers read FLASH_ATTN_FA2_BWD_DQ_BULK that way).
+sdpa_flash, and the last variant over the first. -1 is every override's automatic choice.
 """
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ import benchmark_attn as B  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--switch", required=True, help="NAME=v1,v2,...")
+    ap.add_argument("--tuning", required=True, help="NAME=v1,v2,... (csrc/common/tuning.h)")
     ap.add_argument("--backend", default="fa2")
     ap.add_argument("--modes", default="bwd")
     ap.add_argument("--hdims", default="64,128,256")
@@ -43,13 +42,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=0)
     args = ap.parse_args(argv)
 
-    name, values = args.switch.split("=", 1)
-    values = values.split(",")
+    name, values = args.tuning.split("=", 1)
+    values = [int(v) for v in values.split(",")]
     fa, error = C.load_flash_attn()
     if fa is None:
-        sys.exit(f"ab_switch: flash_attn did not import: {error}")
-    ours = C._ours_fn(fa, args.backend)
-    sdpa = C.BASELINE_FNS["sdpa_flash"]
+        sys.exit(f"ab_tuning: flash_attn did not import: {error}")
     device = torch.device("cuda")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     causals = B._bools(args.causal)
@@ -59,7 +56,8 @@ def main(argv=None) -> int:
                                        "min_reps": max(1, args.min_reps // args.rounds),
                                        "max_reps": max(1, args.max_reps // args.rounds),
                                        "reps": args.reps // args.rounds if args.reps else 0})
-    variants = [(f"{name}={v}", v) for v in values] + [("sdpa_flash", None)]
+    variants = ([(f"{name}={v}", C._ours_fn(fa, args.backend, {name: v})) for v in values]
+                + [("sdpa_flash", C.BASELINE_FNS["sdpa_flash"])])
     header = ["mode", "causal", "hdim", "seqlen", *[v for v, _ in variants],
               *[f"{v} / sdpa" for v, _ in variants[:-1]], "last / first"]
     rows = []
@@ -72,13 +70,9 @@ def main(argv=None) -> int:
                     flops = B.attn_flops(batch, nheads, seqlen, seqlen, hdim, causal, mode)
                     times = {label: [] for label, _ in variants}
                     for _ in range(args.rounds):
-                        for label, value in variants:
-                            fn = sdpa if value is None else ours
-                            if value is not None:
-                                os.environ[name] = value
+                        for label, fn in variants:
                             times[label] += B.time_cell(fn, sets, causal, mode, round_args,
                                                         device)
-                    os.environ.pop(name, None)
                     tf = {label: flops / statistics.median(t) / 1e9 for label, t in times.items()}
                     first, last = tf[variants[0][0]], tf[variants[-2][0]]
                     rows.append([mode, "yes" if causal else "no", str(hdim), C.fmt_seqlen(seqlen),
