@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """Two builds of flash_attn side by side in one run on one GPU: every cell is timed on each
 build, in rounds that alternate between them (the order flips every round), so a drift of the
-GPU's clocks falls on both alike. The check that a change made no kernel slower: build the
+GPU's clocks falls on both alike, and the ratio of two builds is the median over rounds of
+each round's ratio (a round's two builds run back to back, so a slow stretch of the GPU's
+clocks, which moved whole rounds by up to 10% on an H100, falls on both halves of a pair).
+The check that a change made no kernel slower: build the
 old commit and the new tree, then
 
     python benchmarks/benchmark_ab.py --builds old=/tmp/old/src,new=src \\
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--total-tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--target-ms", type=float, default=100.0)
     ap.add_argument("--min-reps", type=int, default=8)
     ap.add_argument("--max-reps", type=int, default=60)
@@ -152,15 +155,19 @@ def main(argv=None) -> int:
                                     seqlen=seqlen, causal=causal, batch=batch, nheads=nheads,
                                     dtype=args.dtype, round_args=round_args)
                         times = {b.label: [] for b in builds}
+                        pairs = []  # per round: the last build's speed over the first's
                         sums = {}
                         for r in range(args.rounds):
+                            medians = {}
                             for b in (builds if r % 2 == 0 else builds[::-1]):
                                 reply = b.ask(cell)
                                 times[b.label] += reply["ms"]
+                                medians[b.label] = statistics.median(reply["ms"])
                                 sums[b.label] = (reply["sum"], reply["norm"])
+                            pairs.append(medians[first] / medians[last])
                         flops = B.attn_flops(batch, nheads, seqlen, seqlen, hdim, causal, mode)
                         tf = {k: flops / statistics.median(v) / 1e9 for k, v in times.items()}
-                        ratio = tf[last] / tf[first]
+                        ratio = statistics.median(pairs)
                         (s0, n0), (s1, n1) = sums[first], sums[last]
                         same = "same" if (s0, n0) == (s1, n1) else (
                             f"norm rel {abs(n1 - n0) / max(abs(n0), 1e-30):.1e}")
@@ -171,14 +178,15 @@ def main(argv=None) -> int:
                         records.append({"backend": backend, "mode": mode, "causal": causal,
                                         "hdim": hdim, "seqlen": seqlen, "batch": batch,
                                         "nheads": nheads, "tflops": tf, "ms": times,
+                                        "round_ratios": pairs, "ratio": ratio,
                                         "outputs": sums})
                         C.log(" | ".join(rows[-1]))
     finally:
         for b in builds:
             b.close()
     table = C.markdown_table(header, rows, right_from=2)
-    ratios = [r["tflops"][last] / r["tflops"][first] for r in records]
-    summary = (f"{last} / {first}: min {min(ratios):.3f}, geomean "
+    ratios = [r["ratio"] for r in records]
+    summary = (f"{last} / {first} (median of per-round ratios): min {min(ratios):.3f}, geomean "
                f"{statistics.geometric_mean(ratios):.3f}, max {max(ratios):.3f} over "
                f"{len(ratios)} cells; below {args.slower}: "
                f"{sum(x < args.slower for x in ratios)} (marked *)")
