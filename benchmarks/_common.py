@@ -317,12 +317,10 @@ def metadata(device: torch.device, fa, ours: list[str], ours_error: str | None) 
 
 
 def output_stem(prefix: str, meta: dict, dtype: str, quick: bool, tag: str | None) -> str:
-    """attn_H100_2026-11-22: device and date; a non-default dtype, --quick or --tag are
-    added so those runs never overwrite the day's full run."""
-    parts = [prefix, meta["device_short"]]
-    if dtype != "bf16":
-        parts.append(dtype)
-    parts.append(meta["date_utc"][:10])
+    """attn_H100_bf16: device and dtype, so that a run replaces the current table of its GPU
+    and dtype (benchmarks/results keeps one; the date and commit are inside, older runs are in
+    git history); --quick or --tag are added so those runs never replace the full one."""
+    parts = [prefix, meta["device_short"], dtype]
     if quick:
         parts.append("quick")
     if tag:

@@ -197,8 +197,12 @@ def main(argv=None) -> int:
         meta["builds"] = infos
         stem = C.output_stem("ab", meta, args.dtype, False, None)
         args.out_dir.mkdir(parents=True, exist_ok=True)
+        lines = [f"# Two builds side by side (benchmark_ab.py): {meta['device']}, {args.dtype}", ""]
+        lines += [line for line in C.meta_lines(meta) if "our backends" not in line]
+        lines += [f"- build {label}: {info['file']} (source hash {info['source_hash']})"
+                  for label, info in infos.items()]
         (args.out_dir / f"{stem}.md").write_text(
-            "\n".join(C.meta_lines(meta)) + "\n\n" + table + "\n\n" + summary + "\n")
+            "\n".join(lines) + "\n\n" + table + "\n\n" + summary + "\n")
         C.write_json({"meta": meta, "args": {k: str(v) for k, v in vars(args).items()},
                       "results": records}, args.out_dir / f"{stem}.json")
     return 0

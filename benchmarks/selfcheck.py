@@ -34,7 +34,7 @@ def check_args() -> None:
     a = BA.parse_args([])
     assert a.seqlens == [512, 1024, 2048, 4096, 8192, 16384] and a.hdims == [64, 128, 256]
     assert a.causal == [False, True] and a.modes == ["fwd", "bwd", "fwd_bwd"]
-    assert (a.min_reps, a.max_reps, a.reps) == (5, 50, None) and a.dtype == "bf16"
+    assert (a.min_reps, a.max_reps, a.reps) == (6, 60, None) and a.dtype == "bf16"
     q = BA.parse_args(["--quick", "--seqlens", "1k,2048", "--causal", "true", "--modes", "bwd"])
     assert q.seqlens == [1024, 2048] and q.causal == [True] and q.modes == ["bwd"]
     for bad in (["--backends", "fa9"], ["--modes", "fwdd"]):
@@ -60,8 +60,8 @@ def check_helpers() -> None:
                         ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA GeForce RTX 4090", "RTX4090"),
                         ("Tesla T4", "T4"), ("NVIDIA H100 PCIe", "H100")]:
         assert C.device_short_name(name) == short, (name, C.device_short_name(name))
-    assert C.output_stem("attn", META, "bf16", False, None) == "attn_H100_2026-11-22"
-    assert C.output_stem("attn", META, "fp16", True, "x y") == "attn_H100_fp16_2026-11-22_quick_x_y"
+    assert C.output_stem("attn", META, "bf16", False, None) == "attn_H100_bf16"
+    assert C.output_stem("attn", META, "fp16", True, "x y") == "attn_H100_fp16_quick_x_y"
     assert C.parse_int_list("512, 1k,64K") == [512, 1024, 65536]
     assert [C.fmt_seqlen(s) for s in (512, 1024, 16384, 1536)] == ["512", "1k", "16k", "1536"]
     expanded = C.expand_backend_names(["ours", "cudnn", "fa1"], ["fa2", "fa1"])
