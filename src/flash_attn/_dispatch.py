@@ -367,24 +367,44 @@ def select(call: Call, device, backend: Optional[str], need_bwd: bool) -> str:
 
 def available_backends(device=None) -> List[str]:
     """The families this build can run on ``device`` (default: the current CUDA device), best
-    first; [] without a CUDA GPU or without the compiled extension."""
-    if not torch.cuda.is_available() or torch.version.hip is not None:
-        return []
+    first. Empty without a CUDA GPU, without the compiled extension, or with an extension that
+    has no code for the GPU; a ``UserWarning`` then says which (once per reason)."""
+    families, reason = _available(device)
+    if not families and reason not in _EMPTY_REASONS_SAID:
+        _EMPTY_REASONS_SAID.add(reason)
+        warnings.warn(f"flash_attn.available_backends() is empty: {reason}", stacklevel=2)
+    return families
+
+
+_EMPTY_REASONS_SAID: set = set()
+
+
+def _available(device) -> Tuple[List[str], Optional[str]]:
+    """(available_backends, why it is empty)."""
+    if torch.version.hip is not None:
+        return [], f"torch {torch.__version__} is a ROCm build; the kernels are CUDA only"
+    if not torch.cuda.is_available():
+        why = ("a CPU build of torch" if torch.version.cuda is None
+               else "a CUDA build of torch that sees no GPU")
+        return [], f"no CUDA device (torch {torch.__version__} is {why})"
     if device is not None and not isinstance(device, int) and torch.device(device).type != "cuda":
-        return []
+        return [], f"{device} is not a CUDA device"
     try:
         built = built_configs()
-    except RuntimeError:
-        return []
+    except RuntimeError as e:
+        return [], str(e)
     arch = device_arch(torch.cuda.current_device() if device is None else device)
-    if runs_here(arch) is not None:
-        return []
+    why = runs_here(arch)
+    if why is not None:
+        return [], why
     archs, ptx = built_archs(), ptx_arch()
     families = build_matrix.FAMILIES
     # The forward's kernels decide: a family whose gradient runs elsewhere is still listed.
-    return [f for f in build_matrix.PREFERENCE
-            if f in families and _arch_in(families[f], arch)
-            and any(c.family == f and c.direction == "fwd" and c.min_arch <= arch
-                    and (not archs or build_matrix.kernel_runs_on(c.min_arch, arch, archs,
-                                                                  families[f].max_arch, ptx=ptx))
-                    for c in built)]
+    found = [f for f in build_matrix.PREFERENCE
+             if f in families and _arch_in(families[f], arch)
+             and any(c.family == f and c.direction == "fwd" and c.min_arch <= arch
+                     and (not archs or build_matrix.kernel_runs_on(c.min_arch, arch, archs,
+                                                                   families[f].max_arch, ptx=ptx))
+                     for c in built)]
+    return found, None if found else (f"this build has no forward kernel that runs on sm{arch} "
+                                      f"(built: {sorted({c.family for c in built})})")
