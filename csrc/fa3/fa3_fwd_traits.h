@@ -98,10 +98,4 @@ struct FwdTraits {
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 };
 
-// The traits of a plan's tile (fa3_plan.h).
-template <typename T, int kHeadDim, int kBlockN, int kStages, Schedule kSchedule, int kConsumers,
-          bool kScoreMod, int kClusterM = 1, bool kStreamK = false>
-using TraitsFor = FwdTraits<T, kHeadDim, kBlockN, kStages, kScoreMod, kSchedule, kConsumers,
-                            kClusterM, kStreamK>;
-
 }  // namespace flash::fa3
