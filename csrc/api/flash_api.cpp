@@ -62,7 +62,8 @@ template <class Params> struct ParamsOf<const char* (*)(const Params&)> { using 
 template <auto kUnsupported, auto kPlan, auto kRun>
 void call(typename ParamsOf<decltype(kUnsupported)>::type& p, int kernel_hdim,
           const flash::Tuning& tuning, const at::Tensor& like) {
-  if (const char* why = kUnsupported(p)) TORCH_CHECK(false, "flash_attn: ", why);
+  const char* why = kUnsupported(p);
+  TORCH_CHECK(why == nullptr, "flash_attn: ", why);
   const auto plan = kPlan(p, kernel_hdim, tuning);
   at::Tensor workspace;  // lives until the launch is queued; the allocator orders its reuse
   if (plan.workspace_bytes > 0) workspace = alloc_workspace(p, plan.workspace_bytes, like);
@@ -307,21 +308,12 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
 flash::Tuning parse_tuning(const std::string& text) {
   flash::Tuning t;
   if (text.empty()) return t;
-  struct Field {
-    const char* name;
-    int64_t flash::Tuning::*wide;
-    int flash::Tuning::*narrow;
-  };
-  static const Field fields[] = {
-      {"fa3_stream_k", nullptr, &flash::Tuning::fa3_stream_k},
-      {"fa3_cluster", nullptr, &flash::Tuning::fa3_cluster},
-      {"fa3_narrow", nullptr, &flash::Tuning::fa3_narrow},
-      {"fa3_ctas", &flash::Tuning::fa3_ctas, nullptr},
-      {"fa2_dq_bulk", nullptr, &flash::Tuning::fa2_dq_bulk},
-      {"fa2_dq_defer", nullptr, &flash::Tuning::fa2_dq_defer},
-      {"fa2_pdl", nullptr, &flash::Tuning::fa2_pdl},
-      {"head_group", nullptr, &flash::Tuning::head_group},
-      {"fa1_q_tiles", nullptr, &flash::Tuning::fa1_q_tiles},
+  static const std::pair<const char*, int flash::Tuning::*> fields[] = {
+      {"fa3_stream_k", &flash::Tuning::fa3_stream_k}, {"fa3_cluster", &flash::Tuning::fa3_cluster},
+      {"fa3_narrow", &flash::Tuning::fa3_narrow},     {"fa3_ctas", &flash::Tuning::fa3_ctas},
+      {"fa2_dq_bulk", &flash::Tuning::fa2_dq_bulk},   {"fa2_dq_defer", &flash::Tuning::fa2_dq_defer},
+      {"fa2_pdl", &flash::Tuning::fa2_pdl},           {"head_group", &flash::Tuning::head_group},
+      {"fa1_q_tiles", &flash::Tuning::fa1_q_tiles},
   };
   size_t at = 0;
   while (at < text.size()) {
@@ -330,15 +322,14 @@ flash::Tuning parse_tuning(const std::string& text) {
     at = end + 1;
     const size_t eq = item.find('=');
     const std::string name = item.substr(0, eq);
-    const Field* field = nullptr;
-    for (const Field& f : fields) field = name == f.name ? &f : field;
-    std::string known;
-    for (const Field& f : fields) known += std::string(known.empty() ? "" : ", ") + f.name;
-    TORCH_CHECK(field != nullptr && eq != std::string::npos, "flash_attn: _tuning: unknown ",
-                "entry '", item, "'; known: ", known);
-    const int64_t value = std::stoll(item.substr(eq + 1));
-    if (field->wide != nullptr) t.*(field->wide) = value;
-    if (field->narrow != nullptr) t.*(field->narrow) = int(value);
+    int flash::Tuning::*field = nullptr;
+    for (const auto& [known, member] : fields) field = name == known ? member : field;
+    if (field == nullptr || eq == std::string::npos) {
+      std::string names;
+      for (const auto& f : fields) names += std::string(names.empty() ? "" : ", ") + f.first;
+      TORCH_CHECK(false, "flash_attn: _tuning: unknown entry '", item, "'; known: ", names);
+    }
+    t.*field = std::stoi(item.substr(eq + 1));
   }
   return t;
 }

@@ -14,8 +14,8 @@ struct Tuning {
   int fa3_stream_k = -1;  // 1: stream-K on every full-attention call it can run, 0: never
   int fa3_cluster = -1;   // 1: clusters wherever the tile has them (full attention), 0: never
   int fa3_narrow = -1;    // 1: the narrow tile on every call, 0: only where the wide one pads more
-  int64_t fa3_ctas = 0;   // > 0: the grid (stream-K: the workers), for the harness
-  // fa2 backward (fa2_plan.h)
+  int fa3_ctas = 0;       // > 0: the grid (stream-K: the workers), for the harness
+  // fa2 backward (fa2/fa2.h, plan_bwd)
   int fa2_dq_bulk = -1;   // 0: per-fragment dQ reductions on sm90 too (sm80's path)
   int fa2_dq_defer = -1;  // 0: a dQ tile's reductions after its GEMM (the deterministic path)
   int fa2_pdl = -1;       // 0: plain launches on sm90 too (other GPUs' chain)

@@ -171,7 +171,8 @@ inline bool stream_k_cuts(int64_t items, int64_t key_tiles, int64_t workers) {
 }  // namespace plan_detail
 
 // The grid and workspace of a plan whose kernel, tile and cluster are chosen (by plan_fwd, or
-// by the harness for a tile of its own).
+// by the harness for a tile of its own). A stream-K plan without workers gets the rule's count,
+// forced to at least one.
 inline FwdPlan size_plan(const FwdParams& p, int kernel_hdim, FwdPlan plan,
                          const Tuning& tuning = {}) {
   using namespace plan_detail;
@@ -180,8 +181,8 @@ inline FwdPlan size_plan(const FwdParams& p, int kernel_hdim, FwdPlan plan,
   plan.workspace_bytes = plan.zero_bytes = sizeof(unsigned);
   plan.head_group = tuning.head_group;
   if (plan.kernel == FwdKernel::kStreamK) {
-    plan.workers = tuning.fa3_ctas > 0 ? tuning.fa3_ctas
-                                       : stream_k_workers(p, plan.tile, /*forced=*/1);
+    if (tuning.fa3_ctas > 0) plan.workers = tuning.fa3_ctas;
+    if (plan.workers <= 0) plan.workers = stream_k_workers(p, plan.tile, /*forced=*/1);
     plan.ctas = plan.workers;
     plan.key_tiles = ceil_div(p.seqlen_k, plan.tile.block_n);
     plan.lattice = plan.workers > 0 && stream_k_cuts(plan.items, plan.key_tiles, plan.workers)
@@ -206,15 +207,16 @@ inline FwdPlan plan_fwd(const FwdParams& p, int kernel_hdim, const Tuning& tunin
   FwdPlan plan;
   plan.score_mod = p.softcap > 0.f || p.alibi_slopes != nullptr;
   plan.tile = t.wide;
-  const bool stream_k =
-      !plan.score_mod && stream_k_workers(p, t.stream_k, tuning.fa3_stream_k) > 0;
+  const int64_t workers =
+      plan.score_mod ? 0 : stream_k_workers(p, t.stream_k, tuning.fa3_stream_k);
   const int64_t wide_items = ceil_div(p.seqlen_q, t.wide.block_m()) * p.heads * p.batch;
   const bool cluster = t.cluster_m > 1 && !plan.score_mod && full_attention(p) &&
                        (tuning.fa3_cluster >= 0 ? tuning.fa3_cluster > 0
                                                 : cluster_pays(p, wide_items));
-  if (stream_k) {
+  if (workers > 0) {
     plan.kernel = FwdKernel::kStreamK;
     plan.tile = t.stream_k;
+    plan.workers = workers;
   } else if (cluster) {
     plan.kernel = FwdKernel::kCluster;
     plan.cluster_m = t.cluster_m;

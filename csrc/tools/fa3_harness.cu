@@ -210,7 +210,7 @@ int main(int argc, char** argv) {
   // The same on a grid of one CTA per item instead of the persistent one.
   variant(true, "plan, CTA per item", [&] {
     flash::Tuning t;
-    t.fa3_ctas = flash::fa3::plan_fwd(p, kD).items;
+    t.fa3_ctas = int(flash::fa3::plan_fwd(p, kD).items);
     const FwdPlan plan = flash::fa3::plan_fwd(p, kD, t);
     flash::fa3::run_fwd<__nv_bfloat16, kD>(p, plan, 0);
   });
@@ -240,7 +240,7 @@ int main(int argc, char** argv) {
   // Stream-K (full attention) on FA3_SK_WORKERS workers (default: the plan's rule, forced on).
   variant(!causal, "stream-K " + tile_name(kSplit), [&] {
     flash::Tuning t;
-    if (getenv("FA3_SK_WORKERS")) t.fa3_ctas = atoll(getenv("FA3_SK_WORKERS"));
+    if (getenv("FA3_SK_WORKERS")) t.fa3_ctas = atoi(getenv("FA3_SK_WORKERS"));
     const FwdPlan plan = plan_for(FwdKernel::kStreamK, kSplit, 1, t);
     flash::fa3::launch_fwd<Traits<kSplit.block_n, kSplit.stages, kSplit.schedule,
                                   kSplit.consumers, 1, true>>(p, plan, 0);
