@@ -43,9 +43,6 @@ struct Mask {
   int seqlen_q, seqlen_k;
   int left, right;  // window sides, -1 unbounded
 
-  __device__ explicit Mask(const FwdParams& p)
-      : seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k), left(p.window_left),
-        right(p.causal ? 0 : p.window_right) {}
   // The mask of one sequence (common/seqinfo.h), aligned to its own lengths.
   __device__ Mask(const FwdParams& p, const SeqInfo& seq)
       : seqlen_q(seq.seqlen_q), seqlen_k(seq.seqlen_k), left(p.window_left),

@@ -27,17 +27,13 @@ struct ScoreMod {
   float alibi_slope = 0.f;       // in score units; 0: no ALiBi
   int shift = 0;                 // seqlen_k - seqlen_q: row i's diagonal key is i + shift
 
-  __device__ ScoreMod(const FwdParams& p, int batch, int head)
-      : ScoreMod(p, batch, head, p.seqlen_k - p.seqlen_q) {}
   // For one sequence (common/seqinfo.h): its own diagonal.
   __device__ ScoreMod(const FwdParams& p, const SeqInfo& seq, int head)
-      : ScoreMod(p, seq.batch, head, seq.seqlen_k - seq.seqlen_q) {}
-
-  __device__ ScoreMod(const FwdParams& p, int batch, int head, int shift_) : shift(shift_) {
+      : shift(seq.seqlen_k - seq.seqlen_q) {
     if (p.softcap > 0.f) softcap_prescale = p.softcap_prescale;
     if (p.alibi_slopes != nullptr) {
       const float logit_per_score = p.softcap > 0.f ? p.softcap : p.softmax_scale;
-      alibi_slope = p.alibi_slopes[batch * p.alibi_batch_stride + head] / logit_per_score;
+      alibi_slope = p.alibi_slopes[seq.batch * p.alibi_batch_stride + head] / logit_per_score;
     }
   }
 

@@ -36,6 +36,25 @@ struct SeqInfo {
   __host__ __device__ int64_t lse_offset(const FwdParams& p, int head) const {
     return (int64_t(batch) * p.heads + head) * p.seqlen_q;
   }
+  // The backward's gradients and its dO, as above.
+  __host__ __device__ int64_t do_offset(const BwdParams& p, int head) const {
+    return batch * p.do_strides.batch + head * p.do_strides.head;
+  }
+  __host__ __device__ int64_t dq_offset(const BwdParams& p, int head) const {
+    return batch * p.dq_strides.batch + head * p.dq_strides.head;
+  }
+  __host__ __device__ int64_t dk_offset(const BwdParams& p, int head_k) const {
+    return batch * p.dk_strides.batch + head_k * p.dk_strides.head;
+  }
+  __host__ __device__ int64_t dv_offset(const BwdParams& p, int head_k) const {
+    return batch * p.dv_strides.batch + head_k * p.dv_strides.head;
+  }
+  // Row 0 of the sequence in `head` of a per-row fp32 scratch of the backward (D, the dQ
+  // accumulator) in which every sequence is padded to a multiple of kRowPad rows.
+  template <int kRowPad>
+  __host__ __device__ int64_t scratch_row0(const FwdParams& p, int head) const {
+    return (int64_t(batch) * p.heads + head) * ((int64_t(p.seqlen_q) + kRowPad - 1) / kRowPad * kRowPad);
+  }
   // The sequence's (rows, head_dim) slice of `head` in a (seqlen, head_dim, heads, batch) view,
   // such as the TMA tensors of the FA3 forward.
   template <class Tensor>

@@ -19,6 +19,7 @@
 
 #include "common/params.h"
 #include "common/pdl.h"
+#include "common/seqinfo.h"
 #include "fa2/fa2.h"
 #include "fa2/fa2_utils.h"
 
@@ -169,11 +170,13 @@ __global__ void __launch_bounds__(kDqConvertThreads) bwd_convert_dq_kernel(const
   constexpr int kFloat4s = kDqConvertRows * kHeadDim / 4;
   constexpr int kVectors = kDqConvertRows * kHeadDim / 8;
   constexpr int kFragsPerRowGroup = kHeadDim / 8 * 32;
-  const int64_t rows_pad = round_up(p.seqlen_q, kRowPad);
   const int row0 = blockIdx.x * kDqConvertRows;
   const int64_t batch_heads = int64_t(p.batch) * p.heads;
   for (int64_t bh = blockIdx.y; bh < batch_heads; bh += gridDim.y) {
-    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + (bh * rows_pad + row0) * kHeadDim);
+    const int h = int(bh % p.heads);
+    const SeqInfo seq(p, int(bh / p.heads));
+    const float4* src = reinterpret_cast<const float4*>(
+        p.dq_accum + (seq.scratch_row0<kRowPad>(p, h) + row0) * kHeadDim);
     for (int i = threadIdx.x; i < kFloat4s; i += kDqConvertThreads) {
       const float4 v = src[i];
       const int group = i / kFragsPerRowGroup, frag = i % kFragsPerRowGroup;
@@ -189,12 +192,11 @@ __global__ void __launch_bounds__(kDqConvertThreads) bwd_convert_dq_kernel(const
       }
     }
     __syncthreads();
-    const int b = int(bh / p.heads), h = int(bh % p.heads);
-    T* dq_head = static_cast<T*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head;
+    T* dq_head = static_cast<T*>(p.dq) + seq.dq_offset(p, h);
     for (int i = threadIdx.x; i < kVectors; i += kDqConvertThreads) {
       const int r = i / (kHeadDim / 8), c = i % (kHeadDim / 8) * 8;
       const int row = row0 + r;
-      if (row < p.seqlen_q && c < p.head_dim) {
+      if (row < seq.seqlen_q && c < p.head_dim) {
         *reinterpret_cast<uint4*>(dq_head + row * p.dq_strides.row + c) =
             *reinterpret_cast<const uint4*>(&tile[r * kPitch + c]);
       }

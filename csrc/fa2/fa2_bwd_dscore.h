@@ -34,9 +34,10 @@ struct DScore {
   uint32_t bh;  // batch * heads + query head: the dropout stream of this head
   PhiloxKey philox;
 
-  __device__ DScore(const BwdParams& p, int batch, int head, const PhiloxKey& key)
-      : mod(p, batch, head), mask(p), scale_log2(p.softmax_scale_log2), rp_keep(p.rp_keep),
-        keep_threshold(p.keep_threshold), bh(uint32_t(batch) * p.heads + head), philox(key) {}
+  __device__ DScore(const BwdParams& p, const SeqInfo& seq, int head, const PhiloxKey& key)
+      : mod(p, seq, head), mask(p, seq), scale_log2(p.softmax_scale_log2), rp_keep(p.rp_keep),
+        keep_threshold(p.keep_threshold), bh(uint32_t(seq.batch) * p.heads + head),
+        philox(key) {}
 
   // The keep bits of the elements of the tile at (row0, col0) this thread holds: bit e % 32 of
   // word e / 32 for element e = v + 4 * (n + MMA_N * m) of the fragment ((2,2), MMA_M, MMA_N)

@@ -34,6 +34,7 @@
 #include "fa2/fa2_bwd_dscore.h"
 #include "fa2/fa2_bwd_mask.h"
 #include "common/mask.h"
+#include "common/seqinfo.h"
 #include "common/tile_order.h"
 #include "fa2/fa2_tiles.h"
 #include "fa2/fa2_utils.h"
@@ -146,16 +147,15 @@ __host__ __device__ inline int* bwd_dq_counters(const BwdParams& p) {
 
 template <class Tr>
 __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int n_block,
-                                             int batch, int head_k) {
+                                             const SeqInfo& seq, int head_k) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   const int tid = threadIdx.x;
   const int group = p.heads / p.heads_k;
   const int head_begin = head_k * group, head_end = head_begin + group;
   const int col0 = n_block * kBlockN;
-  const int64_t rows_pad = round_up(p.seqlen_q, kRowPad);
 
-  const Mask mask(p);
+  const Mask mask(p, seq);
   const QueryTiles tiles = query_tiles<kBlockM, kBlockN>(mask, n_block);
 
   // ---- shared memory: Q (kQStages buffers), dO (kdOStages), K, V, Z, dS ------------------
@@ -193,17 +193,17 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   auto gmem_thr = gmem_load.get_thread_slice(tid);
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // (BM, hdim) tile m_block of a (batch, seqlen_q, heads, hdim) tensor into dst.
-  auto load_q_tile = [&](const void* base, const Strides& s, int head, int m_block,
+  // (BM, hdim) tile m_block of the sequence's rows (at offset, row stride s.row) into dst.
+  auto load_q_tile = [&](const void* base, int64_t offset, const Strides& s, int m_block,
                          Element* dst) {
-    const Element* ptr = static_cast<const Element*>(base) + batch * s.batch + head * s.head +
+    const Element* ptr = static_cast<const Element*>(base) + offset +
                          int64_t(m_block) * kBlockM * s.row;
     Tensor gX = make_tensor(make_gmem_ptr(ptr), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                             make_stride(s.row, _1{}));                             // (BM, hdim)
     Tensor sX = make_tensor(make_smem_ptr(dst), typename Tr::SmemQ{});             // (BM, hdim)
     Tensor tXgX = gmem_thr.partition_S(gX);  // (CPY, CPY_M, CPY_K)
     Tensor tXsX = gmem_thr.partition_D(sX);
-    const int valid = p.seqlen_q - m_block * kBlockM;
+    const int valid = seq.seqlen_q - m_block * kBlockM;
     if (valid < kBlockM) {
       copy_tile<true>(gmem_load, tXgX, tXsX, tQcQ, valid, p.head_dim);
     } else {
@@ -214,21 +214,20 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   // past seqlen_q are zero-filled, and dscore treats them as lse = +inf.
   auto load_row_stats = [&](int head, int m_block, int stage) {
     if (tid < kBlockM) {
-      const int64_t bh = int64_t(batch) * p.heads + head;
       const int row = m_block * kBlockM + tid;
-      const bool in_range = row < p.seqlen_q;
-      cp_async_4(lse_buffer(stage) + tid, p.lse + bh * p.seqlen_q + (in_range ? row : 0),
+      const bool in_range = row < seq.seqlen_q;
+      cp_async_4(lse_buffer(stage) + tid, p.lse + seq.lse_offset(p, head) + (in_range ? row : 0),
                  in_range ? 4 : 0);
-      cp_async_4(dsum_buffer(stage) + tid, p.dsum + bh * rows_pad + row, 4);
+      cp_async_4(dsum_buffer(stage) + tid, p.dsum + seq.scratch_row0<kRowPad>(p, head) + row, 4);
     }
   };
-  // The (BN, hdim) tile of this block in a (batch, seqlen_k, heads_k, hdim) tensor.
-  auto kv_tile = [&](auto* base, const Strides& s) {
-    auto ptr = base + batch * s.batch + head_k * s.head + int64_t(col0) * s.row;
+  // The (BN, hdim) tile of this block in the sequence's rows (at offset, row stride s.row).
+  auto kv_tile = [&](auto* base, int64_t offset, const Strides& s) {
+    auto ptr = base + offset + int64_t(col0) * s.row;
     return make_tensor(make_gmem_ptr(ptr), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                        make_stride(s.row, _1{}));                                  // (BN, hdim)
   };
-  const int keys_valid = p.seqlen_k - col0;
+  const int keys_valid = seq.seqlen_k - col0;
 
   // ---- MMA partitions ----------------------------------------------------------------------
   typename Tr::TiledMmaSdP mma_sdp;
@@ -284,19 +283,19 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   PhiloxKey philox{};
   if constexpr (Tr::kDropout) philox = philox_key(p.philox);
   int* const dq_counters = p.deterministic ? bwd_dq_counters<kHeadDim>(p) : nullptr;
-  const int64_t counters_per_head = rows_pad / kBwdMinBlockM;
 
   if (!tiles.empty()) {
     // Prologue: K, V and the first step's Q and dO in flight.
     {
-      Tensor tKgK = gmem_thr.partition_S(kv_tile(static_cast<const Element*>(p.k), p.k_strides));
+      Tensor tKgK = gmem_thr.partition_S(kv_tile(static_cast<const Element*>(p.k), seq.k_offset(p, head_k), p.k_strides));
       Tensor tKsK = gmem_thr.partition_D(sK);
-      Tensor tVgV = gmem_thr.partition_S(kv_tile(static_cast<const Element*>(p.v), p.v_strides));
+      Tensor tVgV = gmem_thr.partition_S(kv_tile(static_cast<const Element*>(p.v), seq.v_offset(p, head_k), p.v_strides));
       Tensor tVsV = gmem_thr.partition_D(sV);
       copy_tile<true>(gmem_load, tKgK, tKsK, tKcK, keys_valid, p.head_dim);
       copy_tile<true>(gmem_load, tVgV, tVsV, tKcK, keys_valid, p.head_dim);
-      load_q_tile(p.q, p.q_strides, head_begin, tiles.end - 1, q_buffer(0));
-      load_q_tile(p.dout, p.do_strides, head_begin, tiles.end - 1, do_buffer(0));
+      load_q_tile(p.q, seq.q_offset(p, head_begin), p.q_strides, tiles.end - 1, q_buffer(0));
+      load_q_tile(p.dout, seq.do_offset(p, head_begin), p.do_strides, tiles.end - 1,
+                  do_buffer(0));
       // K, V, Q and dO are not the preprocess's outputs, so they may load while it finishes;
       // D (next) and dq_accum (zeroed by it) wait for it to complete.
       pdl_wait();
@@ -306,9 +305,9 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
     int stage = 0;
 
     for (int head = head_begin; head < head_end; ++head) {
-      const DScore<Tr::kDropout> dscore(p, batch, head, philox);
-      const int64_t bh = int64_t(batch) * p.heads + head;
-      float* dq_head = p.dq_accum + bh * rows_pad * kHeadDim;
+      const DScore<Tr::kDropout> dscore(p, seq, head, philox);
+      const int64_t scratch_row0 = seq.scratch_row0<kRowPad>(p, head);
+      float* dq_head = p.dq_accum + scratch_row0 * kHeadDim;
 
       auto step = [&](int m_block, auto masked) __attribute__((always_inline)) {
         const int row0 = m_block * kBlockM;
@@ -328,11 +327,12 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
           bulk_reduce_add(dq_pending, smem_dq, Tr::kdQStageBytes);
         }
         auto load_next_q = [&](int next_stage) {
-          load_q_tile(p.q, p.q_strides, next_head, next_m, q_buffer(next_stage));
+          load_q_tile(p.q, seq.q_offset(p, next_head), p.q_strides, next_m, q_buffer(next_stage));
           load_row_stats(next_head, next_m, next_stage);
         };
         auto load_next_do = [&](int next_stage) {
-          load_q_tile(p.dout, p.do_strides, next_head, next_m, do_buffer(next_stage));
+          load_q_tile(p.dout, seq.do_offset(p, next_head), p.do_strides, next_m,
+                      do_buffer(next_stage));
         };
         if (Tr::kQStages == 2 && has_next) {
           load_next_q(stage ^ 1);
@@ -404,7 +404,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
             continue;
           }
           if (c == 0 && dq_counters != nullptr) {
-            counter = dq_counters + bh * counters_per_head + m_block;
+            counter = dq_counters + scratch_row0 / kBwdMinBlockM + m_block;
             DqTurn::wait(counter, n_block - first_key_tile_of<kBlockM, kBlockN>(mask, m_block, n_block));
           }
           if (c + 1 < Tr::kdQChunks || !defer) {
@@ -461,16 +461,16 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   typename Tr::GmemStore gmem_store;
   auto gmem_store_thr = gmem_store.get_thread_slice(tid);
   Tensor tdKcdK = gmem_store_thr.partition_D(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  auto store_rows = [&](auto const& sX, void* base, const Strides& s) {
-    Tensor gX = kv_tile(static_cast<Element*>(base), s);  // (BN, hdim)
+  auto store_rows = [&](auto const& sX, void* base, int64_t offset, const Strides& s) {
+    Tensor gX = kv_tile(static_cast<Element*>(base), offset, s);  // (BN, hdim)
     Tensor tXsX = gmem_store_thr.partition_S(sX);         // (CPY, CPY_N, CPY_K)
     Tensor tXgX = gmem_store_thr.partition_D(gX);
     Tensor tXrX = make_tensor<Element>(shape(tXgX));
     copy(gmem_store, tXsX, tXrX);
     store_tile(gmem_store, tXrX, tXgX, tdKcdK, keys_valid, p.head_dim);
   };
-  store_rows(sK, p.dk, p.dk_strides);
-  store_rows(sV, p.dv, p.dv_strides);
+  store_rows(sK, p.dk, seq.dk_offset(p, head_k), p.dk_strides);
+  store_rows(sV, p.dv, seq.dv_offset(p, head_k), p.dv_strides);
 }
 
 template <class Tr>
@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_kernel(const __grid_const
   // n - 1 of a head starting before key tile n (fa2_bwd_dq.h), which TileOrder keeps.
   for (int64_t item = blockIdx.x; item < order.items(); item += gridDim.x) {
     const WorkItem w = order.decode(item);  // its heads are KV heads
-    bwd_key_tile<Tr>(p, smem, w.tile, w.batch, w.head);
+    bwd_key_tile<Tr>(p, smem, w.tile, SeqInfo(p, w.batch), w.head);
     __syncthreads();  // the next tile's loads overwrite shared memory
   }
 #endif

@@ -13,6 +13,7 @@
 
 #include "common/params.h"
 #include "common/pdl.h"
+#include "common/seqinfo.h"
 #include "fa2/fa2.h"
 
 namespace flash::fa2 {
@@ -71,16 +72,15 @@ __global__ void __launch_bounds__(kDotThreads)
     }
     const int64_t bh = row / rows_pad;
     const int r = int(row % rows_pad);
-    const int b = int(bh / p.heads), h = int(bh % p.heads);
+    const int h = int(bh % p.heads);
+    const SeqInfo seq(p, int(bh / p.heads));
     const int c = lane * 8;
     float acc = 0.f;
-    if (r < p.seqlen_q && c < p.head_dim) {
+    if (r < seq.seqlen_q && c < p.head_dim) {
       const uint4 dov = *reinterpret_cast<const uint4*>(
-          static_cast<const T*>(p.dout) + b * p.do_strides.batch + r * p.do_strides.row +
-          h * p.do_strides.head + c);
+          static_cast<const T*>(p.dout) + seq.do_offset(p, h) + r * p.do_strides.row + c);
       const uint4 ov = *reinterpret_cast<const uint4*>(
-          static_cast<const T*>(p.o) + b * p.o_strides.batch + r * p.o_strides.row +
-          h * p.o_strides.head + c);
+          static_cast<const T*>(p.o) + seq.o_offset(p, h) + r * p.o_strides.row + c);
       const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {

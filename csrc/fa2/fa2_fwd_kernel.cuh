@@ -22,6 +22,7 @@
 #include "fa2/fa2_dropout.h"
 #include "common/mask.h"
 #include "common/score_mod.h"
+#include "common/seqinfo.h"
 #include "common/softmax.h"
 #include "common/tile_order.h"
 #include "fa2/fa2_tiles.h"
@@ -56,33 +57,34 @@ struct FwdTraits {
 };
 
 template <class Tr>
-__device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_block, int batch,
-                                         int head, int head_k) {
+__device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_block,
+                                         const SeqInfo& seq, int head, int head_k) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   const int tid = threadIdx.x;
   const int row0 = m_block * kBlockM;
 
-  const Mask mask(p);
+  const Mask mask(p, seq);
   const KeyTiles tiles = mask.key_tiles<kBlockM, kBlockN>(row0);
 
-  // ---- global tensors of this (batch, head) -------------------------------------------------
-  auto rows = [](const void* base, const Strides& s, int b, int h, int seqlen) {
-    auto ptr = static_cast<const Element*>(base) + b * s.batch + h * s.head;
-    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, Int<kHeadDim>{}),
+  // ---- global tensors of this sequence and head --------------------------------------------
+  auto rows = [](auto* base, int64_t offset, const Strides& s, int seqlen) {
+    return make_tensor(make_gmem_ptr(base + offset), make_shape(seqlen, Int<kHeadDim>{}),
                        make_stride(s.row, _1{}));
   };
-  Tensor mQ = rows(p.q, p.q_strides, batch, head, p.seqlen_q);     // (seqlen_q, hdim)
-  Tensor mK = rows(p.k, p.k_strides, batch, head_k, p.seqlen_k);   // (seqlen_k, hdim)
-  Tensor mV = rows(p.v, p.v_strides, batch, head_k, p.seqlen_k);   // (seqlen_k, hdim)
-  Tensor mO = make_tensor(
-      make_gmem_ptr(static_cast<Element*>(p.o) + batch * p.o_strides.batch + head * p.o_strides.head),
-      make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(p.o_strides.row, _1{}));
+  Tensor mQ = rows(static_cast<const Element*>(p.q), seq.q_offset(p, head), p.q_strides,
+                   seq.seqlen_q);                                                   // (seqlen_q, hdim)
+  Tensor mK = rows(static_cast<const Element*>(p.k), seq.k_offset(p, head_k), p.k_strides,
+                   seq.seqlen_k);                                                   // (seqlen_k, hdim)
+  Tensor mV = rows(static_cast<const Element*>(p.v), seq.v_offset(p, head_k), p.v_strides,
+                   seq.seqlen_k);                                                   // (seqlen_k, hdim)
+  Tensor mO = rows(static_cast<Element*>(p.o), seq.o_offset(p, head), p.o_strides,
+                   seq.seqlen_q);                                                   // (seqlen_q, hdim)
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BM, hdim)
   Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BM, hdim)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (BN, hdim, n)
   Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (BN, hdim, n)
-  float* lse_row = p.lse + (int64_t(batch) * p.heads + head) * p.seqlen_q;
+  float* lse_row = p.lse + seq.lse_offset(p, head);
 
   // ---- shared memory: Q (later O), kStages K buffers, kStages V buffers ----------------------
   // The tensors below view stage 0; stage s is the same view kKV elements further on (a
@@ -107,7 +109,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
   auto load_kv = [&](auto& tG, auto& tS, int n) __attribute__((always_inline)) {
-    const int valid = p.seqlen_k - n * kBlockN;
+    const int valid = seq.seqlen_k - n * kBlockN;
     if (valid < kBlockN) {
       copy_tile<true>(gmem_load, tG(_, _, _, n), tS, tKcK, valid, p.head_dim);
     } else {
@@ -137,16 +139,16 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   Tensor acc_o_rc = make_tensor(acc_o.data(), rowcol(acc_o.layout()));
 
   Softmax<Tr::kRowsPerThread> softmax;
-  const ScoreMod score_mod(p, batch, head);
+  const ScoreMod score_mod(p, seq, head);
   PhiloxKey philox{};
-  const uint32_t bh = uint32_t(batch) * p.heads + head;
+  const uint32_t bh = uint32_t(seq.batch) * p.heads + head;
   if constexpr (Tr::kDropout) philox = philox_key(p.philox);
 
   if (!tiles.empty()) {
     // Stage s of a partitioned shared-memory view.
     auto stage = [](auto const& t, int s) { return make_tensor(t.data() + s * kKV, t.layout()); };
     // Prologue: Q and the first K tile (two stages: and V) in flight, in tile end-1's stage.
-    copy_tile<true>(gmem_load, tQgQ, tQsQ, tQcQ, p.seqlen_q - row0, p.head_dim);
+    copy_tile<true>(gmem_load, tQgQ, tQsQ, tQcQ, seq.seqlen_q - row0, p.head_dim);
     const int first_stage = Tr::kStages == 2 ? (tiles.end - 1) & 1 : 0;
     Tensor tKsK_first = stage(tKsK, first_stage);
     load_kv(tKgK, tKsK_first, tiles.end - 1);
@@ -240,7 +242,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
     for (int mi = 0; mi < Tr::kRowsPerThread; ++mi) {
       Tensor tOcO_rc = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
       const int row = row0 + get<0>(tOcO_rc(mi, 0));
-      if (row < p.seqlen_q) lse_row[row] = lse[mi];
+      if (row < seq.seqlen_q) lse_row[row] = lse[mi];
     }
   }
   __syncthreads();
@@ -252,7 +254,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   Tensor tOrO = make_tensor<Element>(shape(tOgO));
   copy(gmem_store, tOsO, tOrO);
   Tensor tOcO_store = gmem_store_thr.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  store_tile(gmem_store, tOrO, tOgO, tOcO_store, p.seqlen_q - row0, p.head_dim);
+  store_tile(gmem_store, tOrO, tOgO, tOcO_store, seq.seqlen_q - row0, p.head_dim);
 }
 
 template <class Tr>
@@ -263,7 +265,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
   for (int64_t item = blockIdx.x; item < order.items(); item += gridDim.x) {
     const WorkItem w = order.decode(item);
     // Tile 0 is the last query tile: under a causal mask, the one with the most keys.
-    fwd_tile<Tr>(p, smem, order.tiles - 1 - w.tile, w.batch, w.head, w.head_k);
+    fwd_tile<Tr>(p, smem, order.tiles - 1 - w.tile, SeqInfo(p, w.batch), w.head, w.head_k);
     __syncthreads();  // the next tile's loads overwrite shared memory
   }
   if constexpr (Tr::kDropout) {
