@@ -23,12 +23,15 @@ DTYPES = ("fp16", "bf16")
 CXX_TYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 
 # Archs whose machine code a default build contains: Turing, Ampere, Hopper. sm80 SASS does not
-# run on sm90, so each target gets its own. A default build also carries the PTX of the newest
-# (what a wheel needs for a GPU newer than any target); an explicit FLASH_ATTN_CUDA_ARCHS has
-# PTX only for an entry marked "+PTX" (torch's TORCH_CUDA_ARCH_LIST convention), because the
-# PTX pass roughly doubles each file's compile time.
+# run on sm90, so each target gets its own. A default build also carries PTX, which a GPU newer
+# than any target (sm100, sm120) JIT-compiles: that of sm80, the newest portable target, because
+# nvcc makes it in the sm80 pass at no cost, where the sm90 PTX (compute_90, not the compute_90a
+# of sm90's machine code) costs a pass of its own, as much front-end time as a target's (cicc is
+# most of a file's compile). A newer GPU then runs fa1 and fa2 without their sm90 extras; fa3 has
+# no portable PTX anyway. An explicit FLASH_ATTN_CUDA_ARCHS has PTX only for an entry marked
+# "+PTX" (torch's TORCH_CUDA_ARCH_LIST convention).
 DEFAULT_ARCHS = (75, 80, 90)
-DEFAULT_PTX_ARCH = max(DEFAULT_ARCHS)
+DEFAULT_PTX_ARCH = 80
 
 # Targets compiled as their arch-specific variant ("a"): sm90's machine code is sm_90a, which
 # has wgmma and setmaxnreg (fa3) and runs on sm90 only, as any sm90 machine code does. The PTX
