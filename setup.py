@@ -97,7 +97,8 @@ def _cuda_extension():
     if not api_sources:
         sys.exit("flash-attn: csrc/api/*.cpp is missing (the torch glue, flash_api.cpp).")
     # Helpers outside the matrix (the dropout-mask kernel), compiled once for every target arch.
-    sources = api_sources + COMMON_SOURCES + [os.path.relpath(p, ROOT) for p in kernel_sources]
+    # The kernels first, heaviest first (build_matrix.compile_order): ninja starts jobs in this order.
+    sources = [os.path.relpath(p, ROOT) for p in kernel_sources] + api_sources + COMMON_SOURCES
 
     print(f"flash-attn {_version()}: building flash_attn._C for "
           f"{' '.join(f'sm{a}' for a in archs)} ({f'+ PTX of sm{ptx}' if ptx else 'no PTX'}), "

@@ -305,13 +305,26 @@ def source_hash(root: str | os.PathLike) -> str:
     return digest.hexdigest()[:16]
 
 
+# Relative compile cost of one file of each (family, direction), for compile_order: fa2's
+# backward file holds six kernels, fa3's forward one per schedule, fa1's are small.
+_COMPILE_WEIGHT = {("fa2", "bwd"): 4, ("fa3", "fwd"): 3, ("fa2", "fwd"): 2, ("fa1", "bwd"): 1,
+                   ("fa1", "fwd"): 0}
+
+
+def compile_order(configs: Iterable[Config]) -> list[Config]:
+    """Heaviest first. A fresh ninja build starts its jobs in the order of the build file, so a
+    heavy file listed last would compile alone while the other cores idle."""
+    return sorted(configs, key=lambda c: (-_COMPILE_WEIGHT.get((c.family, c.direction), 0),
+                                          -c.hdim, c))
+
+
 def write_sources(out_dir: str | os.PathLike, configs: Iterable[Config], archs: Iterable[int],
                   ptx: int | None, root: str | os.PathLike | None = None) -> list[str]:
     """Write into out_dir one .cu per config, dispatch_table.inc, built_archs.inc (the target
     archs: a comma-separated list), ptx_arch.inc (the arch whose PTX the build carries: one
     int, 0 for none), as ``cuda_archs()`` and ``ptx_arch()`` give them for a build, and
     source_hash.inc (``source_hash(root)`` as a string literal, "" without a root); return the
-    .cu paths. csrc/api/flash_api.cpp includes the last four.
+    .cu paths, heaviest first (compile_order). csrc/api/flash_api.cpp includes the last four.
 
     Files whose content is unchanged are left alone, so ninja does not rebuild them.
     """
@@ -324,7 +337,7 @@ def write_sources(out_dir: str | os.PathLike, configs: Iterable[Config], archs: 
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
 
-    for c in configs:
+    for c in compile_order(configs):
         path = out / f"{c.stem}.cu"
         put(path, _INSTANTIATION.format(
             family=c.family, direction=c.direction, cxx_type=CXX_TYPE[c.dtype], hdim=c.hdim,
