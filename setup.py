@@ -4,7 +4,8 @@
 
 What gets compiled is the build matrix in src/flash_attn/build_matrix.py, trimmed by the switches
 FLASH_ATTN_CUDA_ARCHS / _FAMILIES / _HDIMS / _DTYPES; FLASH_ATTN_SKIP_CUDA_BUILD=1 installs the
-Python package alone. MAX_JOBS bounds parallel compile jobs; CUTLASS_DIR overrides where the
+Python package alone. MAX_JOBS bounds parallel compile jobs (unset: every core, fewer where
+the available memory is short, see _compile_jobs); CUTLASS_DIR overrides where the
 CUTLASS headers come from (third_party/find_cutlass.py). Build with ``pip install -v`` to see the
 matrix being compiled and the build time.
 
@@ -61,6 +62,26 @@ def _torch_requirement(torch) -> str:
     return f"torch=={match.group(1)}.{match.group(2)}.*"
 
 
+# Memory one compile job may take: nvcc of an fa2 backward file peaks at 4.2 GB (its front end,
+# cicc, holding the file's six kernels), and 16 jobs of the full matrix at 47 GB together.
+GB_PER_JOB = 4
+
+
+def _compile_jobs() -> str:
+    """MAX_JOBS as given; unset: every core, but no more jobs than the available memory holds
+    at GB_PER_JOB each, so that a many-core machine with little memory builds slower instead of
+    running out of it."""
+    if os.environ.get("MAX_JOBS", "").strip():
+        return os.environ["MAX_JOBS"].strip()
+    cores = os.cpu_count() or 1
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return str(cores)
+    return str(max(1, min(cores, kb // (GB_PER_JOB * 2**20))))
+
+
 # CUDA sources that are not build-matrix instantiations; CMakeLists.txt lists the same.
 COMMON_SOURCES = ["csrc/common/dropout_mask.cu"]
 
@@ -88,6 +109,7 @@ def _cuda_extension():
         sys.exit(f"flash-attn: {e}")
 
     torch_requirement = _torch_requirement(torch)
+    os.environ["MAX_JOBS"] = _compile_jobs()  # what torch's ninja build runs with
     configs = build_matrix.selected_configs()
     archs = build_matrix.cuda_archs()
     ptx = build_matrix.ptx_arch()  # the "+PTX" entry (sm90 when unset), None for none
@@ -104,7 +126,7 @@ def _cuda_extension():
           f"{' '.join(f'sm{a}' for a in archs)} ({f'+ PTX of sm{ptx}' if ptx else 'no PTX'}), "
           f"{len(configs)} kernels "
           f"(torch {torch.__version__}, CUDA {torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME}, "
-          f"MAX_JOBS={os.environ.get('MAX_JOBS', 'all cores')}); the wheel requires {torch_requirement}:")
+          f"MAX_JOBS={os.environ['MAX_JOBS']}); the wheel requires {torch_requirement}:")
     for c in configs:
         print(f"  {c.family} {c.direction} {c.dtype} hdim{c.hdim}")
     print(f"  CUTLASS: {cutlass_include}")
