@@ -45,7 +45,7 @@ struct Mask {
 
   // The mask of one sequence (common/seqinfo.h), aligned to its own lengths.
   __device__ Mask(const FwdParams& p, const SeqInfo& seq)
-      : seqlen_q(seq.seqlen_q), seqlen_k(seq.seqlen_k), left(p.window_left),
+      : seqlen_q(seq.seqlen_q(p)), seqlen_k(seq.seqlen_k(p)), left(p.window_left),
         right(p.causal ? 0 : p.window_right) {}
 
   // Query row i's diagonal key, bottom-right aligned.

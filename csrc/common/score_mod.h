@@ -29,7 +29,7 @@ struct ScoreMod {
 
   // For one sequence (common/seqinfo.h): its own diagonal.
   __device__ ScoreMod(const FwdParams& p, const SeqInfo& seq, int head)
-      : shift(seq.seqlen_k - seq.seqlen_q) {
+      : shift(seq.seqlen_k(p) - seq.seqlen_q(p)) {
     if (p.softcap > 0.f) softcap_prescale = p.softcap_prescale;
     if (p.alibi_slopes != nullptr) {
       const float logit_per_score = p.softcap > 0.f ? p.softcap : p.softmax_scale;

@@ -14,10 +14,14 @@ namespace flash {
 
 struct SeqInfo {
   int batch;
-  int seqlen_q, seqlen_k;
 
-  __host__ __device__ SeqInfo(const FwdParams& p, int batch_)
-      : batch(batch_), seqlen_q(p.seqlen_q), seqlen_k(p.seqlen_k) {}
+  __host__ __device__ SeqInfo(const FwdParams&, int batch_) : batch(batch_) {}
+
+  // The sequence's lengths. Dense: the call's, read from the kernel parameters where used (a
+  // copy held in a register across a kernel's loop cost FA2's hdim 64 forward 56 bytes more
+  // spill loads and 1.5%).
+  __host__ __device__ int seqlen_q(const FwdParams& p) const { return p.seqlen_q; }
+  __host__ __device__ int seqlen_k(const FwdParams& p) const { return p.seqlen_k; }
 
   // Element offsets of the sequence's row 0 in `head` of q, k, v, out.
   __host__ __device__ int64_t q_offset(const FwdParams& p, int head) const {

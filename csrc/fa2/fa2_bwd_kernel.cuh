@@ -203,7 +203,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
     Tensor sX = make_tensor(make_smem_ptr(dst), typename Tr::SmemQ{});             // (BM, hdim)
     Tensor tXgX = gmem_thr.partition_S(gX);  // (CPY, CPY_M, CPY_K)
     Tensor tXsX = gmem_thr.partition_D(sX);
-    const int valid = seq.seqlen_q - m_block * kBlockM;
+    const int valid = seq.seqlen_q(p) - m_block * kBlockM;
     if (valid < kBlockM) {
       copy_tile<true>(gmem_load, tXgX, tXsX, tQcQ, valid, p.head_dim);
     } else {
@@ -215,7 +215,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   auto load_row_stats = [&](int head, int m_block, int stage) {
     if (tid < kBlockM) {
       const int row = m_block * kBlockM + tid;
-      const bool in_range = row < seq.seqlen_q;
+      const bool in_range = row < seq.seqlen_q(p);
       cp_async_4(lse_buffer(stage) + tid, p.lse + seq.lse_offset(p, head) + (in_range ? row : 0),
                  in_range ? 4 : 0);
       cp_async_4(dsum_buffer(stage) + tid, p.dsum + seq.scratch_row0<kRowPad>(p, head) + row, 4);
@@ -227,7 +227,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
     return make_tensor(make_gmem_ptr(ptr), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                        make_stride(s.row, _1{}));                                  // (BN, hdim)
   };
-  const int keys_valid = seq.seqlen_k - col0;
+  const int keys_valid = seq.seqlen_k(p) - col0;
 
   // ---- MMA partitions ----------------------------------------------------------------------
   typename Tr::TiledMmaSdP mma_sdp;

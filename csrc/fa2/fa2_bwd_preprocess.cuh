@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kDotThreads)
     const SeqInfo seq(p, int(bh / p.heads));
     const int c = lane * 8;
     float acc = 0.f;
-    if (r < seq.seqlen_q && c < p.head_dim) {
+    if (r < seq.seqlen_q(p) && c < p.head_dim) {
       const uint4 dov = *reinterpret_cast<const uint4*>(
           static_cast<const T*>(p.dout) + seq.do_offset(p, h) + r * p.do_strides.row + c);
       const uint4 ov = *reinterpret_cast<const uint4*>(

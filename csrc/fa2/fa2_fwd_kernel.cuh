@@ -73,13 +73,13 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
                        make_stride(s.row, _1{}));
   };
   Tensor mQ = rows(static_cast<const Element*>(p.q), seq.q_offset(p, head), p.q_strides,
-                   seq.seqlen_q);                                                   // (seqlen_q, hdim)
+                   seq.seqlen_q(p));  // (seqlen_q, hdim)
   Tensor mK = rows(static_cast<const Element*>(p.k), seq.k_offset(p, head_k), p.k_strides,
-                   seq.seqlen_k);                                                   // (seqlen_k, hdim)
+                   seq.seqlen_k(p));  // (seqlen_k, hdim)
   Tensor mV = rows(static_cast<const Element*>(p.v), seq.v_offset(p, head_k), p.v_strides,
-                   seq.seqlen_k);                                                   // (seqlen_k, hdim)
+                   seq.seqlen_k(p));  // (seqlen_k, hdim)
   Tensor mO = rows(static_cast<Element*>(p.o), seq.o_offset(p, head), p.o_strides,
-                   seq.seqlen_q);                                                   // (seqlen_q, hdim)
+                   seq.seqlen_q(p));  // (seqlen_q, hdim)
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BM, hdim)
   Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BM, hdim)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (BN, hdim, n)
@@ -109,7 +109,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
   auto load_kv = [&](auto& tG, auto& tS, int n) __attribute__((always_inline)) {
-    const int valid = seq.seqlen_k - n * kBlockN;
+    const int valid = seq.seqlen_k(p) - n * kBlockN;
     if (valid < kBlockN) {
       copy_tile<true>(gmem_load, tG(_, _, _, n), tS, tKcK, valid, p.head_dim);
     } else {
@@ -148,7 +148,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
     // Stage s of a partitioned shared-memory view.
     auto stage = [](auto const& t, int s) { return make_tensor(t.data() + s * kKV, t.layout()); };
     // Prologue: Q and the first K tile (two stages: and V) in flight, in tile end-1's stage.
-    copy_tile<true>(gmem_load, tQgQ, tQsQ, tQcQ, seq.seqlen_q - row0, p.head_dim);
+    copy_tile<true>(gmem_load, tQgQ, tQsQ, tQcQ, seq.seqlen_q(p) - row0, p.head_dim);
     const int first_stage = Tr::kStages == 2 ? (tiles.end - 1) & 1 : 0;
     Tensor tKsK_first = stage(tKsK, first_stage);
     load_kv(tKgK, tKsK_first, tiles.end - 1);
@@ -242,7 +242,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
     for (int mi = 0; mi < Tr::kRowsPerThread; ++mi) {
       Tensor tOcO_rc = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
       const int row = row0 + get<0>(tOcO_rc(mi, 0));
-      if (row < seq.seqlen_q) lse_row[row] = lse[mi];
+      if (row < seq.seqlen_q(p)) lse_row[row] = lse[mi];
     }
   }
   __syncthreads();
@@ -254,7 +254,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   Tensor tOrO = make_tensor<Element>(shape(tOgO));
   copy(gmem_store, tOsO, tOrO);
   Tensor tOcO_store = gmem_store_thr.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  store_tile(gmem_store, tOrO, tOgO, tOcO_store, seq.seqlen_q - row0, p.head_dim);
+  store_tile(gmem_store, tOrO, tOgO, tOcO_store, seq.seqlen_q(p) - row0, p.head_dim);
 }
 
 template <class Tr>

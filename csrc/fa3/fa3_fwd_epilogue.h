@@ -225,7 +225,7 @@ struct FwdEpilogue {
         }
         quad_transpose(w, quad);  // now w[j]: lane j's column pair of block 4g + quad
       }
-      const bool in = row < seq.seqlen_q;
+      const bool in = row < seq.seqlen_q(p);
       o_dst[mi] = in ? o + int64_t(row) * p.o_strides.row + 8 * quad : nullptr;
       lse_dst[mi] = in && quad == 0 ? p.lse + seq.lse_offset(p, it.head) + row : nullptr;
       lse_val[mi] = lse[mi];
@@ -281,7 +281,7 @@ struct FwdEpilogue {
       CUTE_UNROLL
       for (int mi = 0; mi < 2; ++mi) {
         const int r = wg_row0 + get<0>(cO_rc(mi, 0));
-        if (r < seq.seqlen_q) p.lse[seq.lse_offset(p, it.head) + r] = lse[mi];
+        if (r < seq.seqlen_q(p)) p.lse[seq.lse_offset(p, it.head) + r] = lse[mi];
       }
     }
     barrier_sync(128, FwdBarrier::ConsumerOwn, cw);  // the stores have read the stage

@@ -336,7 +336,7 @@ struct FwdMainloop {
       CUTE_UNROLL
       for (int mi = 0; mi < kRows; ++mi) {
         const int row = wg_row0 + get<0>(cS_rc(mi, 0));
-        q_row[mi] = row < seq.seqlen_q ? q + int64_t(row) * p.q_strides.row : nullptr;
+        q_row[mi] = row < seq.seqlen_q(p) ? q + int64_t(row) * p.q_strides.row : nullptr;
       }
       CUTE_UNROLL
       for (int ni = 0; ni < kCols; ++ni) {
