@@ -17,9 +17,9 @@ struct SeqInfo {
 
   __host__ __device__ SeqInfo(const FwdParams&, int batch_) : batch(batch_) {}
 
-  // The sequence's lengths. Dense: the call's, read from the kernel parameters where used (a
-  // copy held in a register across a kernel's loop cost FA2's hdim 64 forward 56 bytes more
-  // spill loads and 1.5%).
+  // The sequence's lengths. Dense: the call's, read from the kernel parameters where used (held
+  // in registers across FA2's forward loop, they cost its hdim 64 kernel 56 B of spill loads and
+  // 1.5-2%).
   __host__ __device__ int seqlen_q(const FwdParams& p) const { return p.seqlen_q; }
   __host__ __device__ int seqlen_k(const FwdParams& p) const { return p.seqlen_k; }
 
@@ -57,7 +57,8 @@ struct SeqInfo {
   // accumulator) in which every sequence is padded to a multiple of kRowPad rows.
   template <int kRowPad>
   __host__ __device__ int64_t scratch_row0(const FwdParams& p, int head) const {
-    return (int64_t(batch) * p.heads + head) * ((int64_t(p.seqlen_q) + kRowPad - 1) / kRowPad * kRowPad);
+    const int64_t rows = (int64_t(p.seqlen_q) + kRowPad - 1) / kRowPad * kRowPad;
+    return (int64_t(batch) * p.heads + head) * rows;
   }
   // The sequence's (rows, head_dim) slice of `head` in a (seqlen, head_dim, heads, batch) view,
   // such as the TMA tensors of the FA3 forward.
