@@ -283,6 +283,16 @@ def _run(cmd: list[str]) -> str | None:
         return None
 
 
+def _source_hash() -> str | None:
+    """The hash of the csrc/ the loaded extension was built from (``_C.source_hash()``): it names
+    the code where git cannot, e.g. in a copied tree whose .git is another commit's."""
+    get = getattr(sys.modules.get("flash_attn._C"), "source_hash", None)
+    try:
+        return get() if get is not None else None
+    except Exception:
+        return None
+
+
 def metadata(device: torch.device, fa, ours: list[str], ours_error: str | None) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = {
@@ -297,6 +307,7 @@ def metadata(device: torch.device, fa, ours: list[str], ours_error: str | None) 
         "flash_attn_error": ours_error,
         "git_commit": _run(["git", "rev-parse", "HEAD"]),
         "git_dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
+        "source_hash": _source_hash(),
     }
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
@@ -332,6 +343,8 @@ def meta_lines(meta: dict) -> list[str]:
     fa = meta.get("flash_attn") or f"unavailable ({meta.get('flash_attn_error')})"
     commit = (meta.get("git_commit") or "unknown")[:12] + ("+dirty" if meta.get("git_dirty")
                                                           else "")
+    if meta.get("source_hash"):
+        commit += f" (csrc source hash {meta['source_hash']})"
     arch = (f" (sm{meta['compute_capability'].replace('.', '')}, {meta['sm_count']} SMs)"
             if "compute_capability" in meta else "")
     return [
