@@ -62,8 +62,8 @@ def _torch_requirement(torch) -> str:
     return f"torch=={match.group(1)}.{match.group(2)}.*"
 
 
-# Memory one compile job may take: nvcc of an fa2 backward file peaks at 4.2 GB (its front end,
-# cicc, holding the file's six kernels), and 16 jobs of the full matrix at 47 GB together.
+# Memory one compile job may take: nvcc's front end (cicc) holds 4-4.6 GB for an fa2 backward
+# file, and 16 jobs of the full matrix peaked at 47 and 51 GB together (ARCHITECTURE.md, Build).
 GB_PER_JOB = 4
 
 
@@ -112,7 +112,7 @@ def _cuda_extension():
     os.environ["MAX_JOBS"] = _compile_jobs()  # what torch's ninja build runs with
     configs = build_matrix.selected_configs()
     archs = build_matrix.cuda_archs()
-    ptx = build_matrix.ptx_arch()  # the "+PTX" entry (sm90 when unset), None for none
+    ptx = build_matrix.ptx_arch()  # the "+PTX" entry (sm80 when unset), None for none
     kernel_sources = build_matrix.write_sources(ROOT / "csrc" / "generated", configs, archs, ptx,
                                                 ROOT)
     api_sources = sorted(glob.glob("csrc/api/*.cpp"))
