@@ -139,9 +139,6 @@ def _cuda_extension():
         # CUTLASS's pipeline debug checks put a branch into every mbarrier wait, and ptxas waits
         # for all WGMMAs before it: no FA3 overlap survives them.
         "-DNDEBUG",
-        # WGMMA shapes with N not a power of two (N = 80, 112, ...); without it CuTe tiles such
-        # an FA3 key tile with N = 16 instructions (hdim 256 4k: 480 against 695 TFLOP/s).
-        "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
         "--expt-relaxed-constexpr",
         # torch's COMMON_NVCC_FLAGS hide the half / bfloat16 operators; the kernels use them.
         "-U__CUDA_NO_HALF_OPERATORS__",

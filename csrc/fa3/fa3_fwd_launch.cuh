@@ -3,6 +3,12 @@
 // planned kernel. Included by the generated instantiation files and the harness only.
 #pragma once
 
+// CuTe's WGMMA shapes with N not a power of two (kBlockN 80, 112), which fa3's tiles need. Set
+// here rather than on the command line: their declarations cost every file that includes CuTe
+// about 30 s of front end, and no other family uses them. It must precede CuTe's first include
+// in the translation unit; FwdTraits asserts that it did.
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+
 #include <cute/tensor.hpp>
 
 #include <cstdint>

@@ -49,6 +49,11 @@ struct FwdTraits {
   using MmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, ShapeS>()));
   using MmaO = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, ShapeO, GMMA::Major::K, GMMA::Major::MN>()));
+  // Without CuTe's extended shapes (fa3_fwd_launch.cuh) the selector silently tiles a kBlockN
+  // of 80 or 112 with N = 16 instructions (hdim 256 4k: 480 against 695 TFLOP/s).
+  static_assert(decltype(size<1>(typename MmaS::Shape_MNK{}))::value == kBlockN &&
+                    decltype(size<1>(typename MmaO::Shape_MNK{}))::value == kHeadDim,
+                "one WGMMA per k-step: include fa3/fa3_fwd_launch.cuh before any CuTe header");
 
   // Q, K, V in shared memory as they are in global: rows of hdim, swizzled by the widest
   // pattern a row divides into (128 bytes, or 64 at hdim 96). V viewed as (hdim, keys) is the

@@ -2,8 +2,8 @@
 // random bf16 Q, K, V; each variant against a naive fp32 reference on the GPU; max |error| and
 // a timing (inputs L2-warm: compare variants with each other, not with benchmark_attn.py).
 //   nvcc -O3 -std=c++17 --use_fast_math --expt-relaxed-constexpr -DNDEBUG \
-//        -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -gencode arch=compute_90a,code=sm_90a \
-//        [-DFA3_HDIM=128] -Icsrc -I<cutlass>/include csrc/tools/fa3_harness.cu -o fa3_harness
+//        -gencode arch=compute_90a,code=sm_90a [-DFA3_HDIM=128] -Icsrc -I<cutlass>/include \
+//        csrc/tools/fa3_harness.cu -o fa3_harness
 //   ./fa3_harness batch seqlen_q seqlen_k heads heads_k causal [variant index; default all]
 // Environment: FA3_ITERS=n times n launches (default 20); FA3_NO_REF=1 skips the reference
 // (slow at 16k: seconds per call) and reports the result as unchecked; FA3_KSPIKE=keys,factor
