@@ -62,8 +62,8 @@ def _torch_requirement(torch) -> str:
     return f"torch=={match.group(1)}.{match.group(2)}.*"
 
 
-# Memory one compile job may take: nvcc's front end (cicc) holds 4-4.6 GB for an fa2 backward
-# file, and 16 jobs of the full matrix peaked at 47 and 51 GB together (ARCHITECTURE.md, Build).
+# Memory one compile job may take: nvcc's front end (cicc) holds 3.5-4.3 GB for an fa2 backward
+# file, and 16 jobs of the full matrix peaked at 45 and 47 GB together (ARCHITECTURE.md, Build).
 GB_PER_JOB = 4
 
 
