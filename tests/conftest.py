@@ -308,6 +308,71 @@ class FakeExtension(types.ModuleType):
         for dst, src in zip((dq, dk, dv), grads):
             dst.copy_(src)
 
+    # ---- variable-length batches (the kernels' contract; see reference.attention_varlen_ref)
+
+    def varlen_fwd(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                   max_seqlen_q, max_seqlen_k, block_table, out, lse, rng_state, alibi_slopes,
+                   softmax_scale, causal, window_left, window_right, softcap, dropout_p, family,
+                   tuning=""):
+        out = q.new_empty(q.shape) if out is None else out
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if lse is None else lse
+        rng_state = q.new_empty((2,), dtype=torch.int64) if rng_state is None else rng_state
+        batch = cu_seqlens_q.shape[0] - 1
+        self.calls.append(("varlen_fwd", family, tuple(q.shape), batch, max_seqlen_q,
+                           max_seqlen_k, block_table is not None, softmax_scale, causal,
+                           (window_left, window_right), softcap, alibi_slopes, dropout_p))
+        self._find_kernel(family, "fwd", q)
+        self._check_family(family, window_left, window_right, causal, softcap, alibi_slopes,
+                           dropout_p)
+        keep = None
+        if dropout_p > 0:
+            rng_state.copy_(torch.tensor([self.SEED, self.offset]))
+            self.offset += 4
+            keep = self.dropout_mask(rng_state, batch, q.shape[1], max_seqlen_q, max_seqlen_k,
+                                     dropout_p)
+        else:
+            rng_state.zero_()
+        o, l = reference.attention_varlen_ref(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+            alibi_slopes=alibi_slopes, dropout_mask=keep, return_lse=True, causal=causal,
+            window_size=(window_left, window_right), softcap=softcap,
+            softmax_scale=softmax_scale, dropout_p=dropout_p)
+        out.copy_(o)
+        lse.copy_(l)
+        return out, lse, rng_state
+
+    def varlen_bwd(self, dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k,
+                   seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, dq, dk, dv, alibi_slopes,
+                   softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+                   deterministic, family, tuning=""):
+        batch = cu_seqlens_q.shape[0] - 1
+        self.calls.append(("varlen_bwd", family, tuple(q.shape), batch, max_seqlen_q,
+                           max_seqlen_k, softmax_scale, causal, (window_left, window_right),
+                           softcap, alibi_slopes, dropout_p, deterministic))
+        self._find_kernel(family, "bwd", q)
+        self._check_family(family, window_left, window_right, causal, softcap, alibi_slopes,
+                           dropout_p)
+        keep = (None if dropout_p == 0 else
+                self.dropout_mask(rng_state, batch, q.shape[1], max_seqlen_q, max_seqlen_k,
+                                  dropout_p))
+        # Rows and keys outside every sequence's used part get zero gradients.
+        for t in (dq, dk, dv):
+            t.zero_()
+        for b, q0, len_q, k0, len_k in reference._sequences(cu_seqlens_q, cu_seqlens_k,
+                                                            seqused_q, seqused_k):
+            if len_q == 0 or len_k == 0:
+                continue
+            rows, keys = slice(q0, q0 + len_q), slice(k0, k0 + len_k)
+            slopes = reference._sequence_slopes(alibi_slopes, b)
+            grads = naive_attention_bwd(
+                dout[None, rows], q[None, rows], k[None, keys], v[None, keys], softmax_scale,
+                causal, (window_left, window_right), softcap,
+                None if slopes is None else slopes.reshape(1, -1), dropout_p,
+                None if keep is None else keep[b:b + 1, :, :len_q, :len_k])
+            dq[rows] = grads[0][0].to(dq.dtype)
+            dk[keys] += grads[1][0].to(dk.dtype)
+            dv[keys] += grads[2][0].to(dv.dtype)
+
 
 def matrix_configs(families=None, archs_ok=True):
     """built_configs() tuples for the whole build matrix (optionally some families only)."""

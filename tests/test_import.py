@@ -73,9 +73,6 @@ def test_cpu_call_raises_a_clear_error():
 
 
 @pytest.mark.parametrize("name,args", [
-    ("flash_attn_varlen_func", (None,) * 7),
-    ("flash_attn_varlen_qkvpacked_func", (None,) * 3),
-    ("flash_attn_varlen_kvpacked_func", (None,) * 6),
     ("flash_attn_with_kvcache", (None,) * 3),
 ])
 def test_unimplemented_entry_points_say_so(name, args):

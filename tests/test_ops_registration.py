@@ -55,12 +55,26 @@ def test_signature_is_2x_plus_backend(name, positional):
     assert extra == [("backend", inspect.Parameter.KEYWORD_ONLY, None)] + private
 
 
-@pytest.mark.parametrize("name,params", [
+@pytest.mark.parametrize("name,positional,keyword_only", [
     ("flash_attn_varlen_func", ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-                                "max_seqlen_k"] + [n for n, _ in _COMMON] + ["block_table"]),
-    ("flash_attn_varlen_qkvpacked_func", ["qkv", "cu_seqlens", "max_seqlen"] + [n for n, _ in _COMMON]),
-    ("flash_attn_varlen_kvpacked_func", ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
-                                         "max_seqlen_k"] + [n for n, _ in _COMMON]),
+                                "max_seqlen_k"] + _COMMON + [("block_table", None)],
+     ["seqused_q", "seqused_k", "backend"]),
+    ("flash_attn_varlen_qkvpacked_func", ["qkv", "cu_seqlens", "max_seqlen"] + _COMMON,
+     ["backend"]),
+    ("flash_attn_varlen_kvpacked_func", ["q", "kv", "cu_seqlens_q", "cu_seqlens_k",
+                                         "max_seqlen_q", "max_seqlen_k"] + _COMMON, ["backend"]),
+])
+def test_varlen_signatures_are_2x_plus_fa3_keywords(name, positional, keyword_only):
+    params = list(inspect.signature(getattr(flash_attn, name)).parameters.values())
+    got = [p.name if p.default is EMPTY else (p.name, p.default)
+           for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert got == positional
+    assert [(p.name, p.default) for p in params if p.kind != p.POSITIONAL_OR_KEYWORD] == \
+        [(n, None) for n in keyword_only]
+    assert all(p.kind == p.KEYWORD_ONLY for p in params if p.kind != p.POSITIONAL_OR_KEYWORD)
+
+
+@pytest.mark.parametrize("name,params", [
     ("flash_attn_with_kvcache", ["q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin",
                                  "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table",
                                  "softmax_scale", "causal", "window_size", "softcap",

@@ -48,6 +48,8 @@ _FEATURE_TEXT = {
     "softcap": "softcap > 0",
     "alibi": "alibi_slopes",
     "dropout": "dropout_p > 0",
+    "varlen": "variable-length batches (cu_seqlens)",
+    "paged_kv": "a paged K/V cache (block_table)",
 }
 
 

@@ -245,6 +245,169 @@ def attention(q, k, v, softmax_scale, causal, window_left, window_right, softcap
     return run_fwd(*args)
 
 
+# ---- variable-length batches ------------------------------------------------------------------
+# flash_attn::varlen_fwd / varlen_bwd: the ops above for q (total_q, h, d) and k / v
+# (total_k, h_k, d) (or a paged cache with block_table), sequence b at cu_seqlens[b] of each;
+# lse (h, total_q). Rows past a sequence's seqused_q are 0 in out and dq, +inf in lse.
+
+_VARLEN_ARGS = ("Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_q, Tensor? seqused_k, "
+                "SymInt max_seqlen_q, SymInt max_seqlen_k, ")
+
+
+@torch.library.custom_op(
+    "flash_attn::varlen_fwd", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, " + _VARLEN_ARGS + "Tensor? block_table, "
+           "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
+           "Tensor? alibi_slopes, float dropout_p, bool deterministic, str backend, "
+           "str tuning=\"\") -> (Tensor out, Tensor lse, Tensor rng_state)")
+def varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+               max_seqlen_k, block_table, softmax_scale, causal, window_left, window_right,
+               softcap, alibi_slopes, dropout_p, deterministic, backend, tuning=""):
+    return run_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                          max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
+                          window_left, window_right, softcap, alibi_slopes, dropout_p,
+                          deterministic, backend, tuning)
+
+
+def run_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                   max_seqlen_k, block_table, softmax_scale, causal, window_left, window_right,
+                   softcap, alibi_slopes, dropout_p, deterministic, backend, tuning=""):
+    """flash_attn::varlen_fwd's computation (the op's and the eager path's)."""
+    if q.shape[0] == 0 or k.numel() == 0:
+        # No query row, or no key at all: every row is empty (out 0, lse +inf), nothing drawn.
+        return (q.new_zeros(q.shape),
+                q.new_full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32),
+                q.new_zeros((2,), dtype=torch.int64))
+    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()
+    index = [None if t is None else t.contiguous()
+             for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table)]
+    return extension().varlen_fwd(q, k, v, *index[:4], max_seqlen_q, max_seqlen_k, index[4],
+                                  None, None, None, alibi_slopes, softmax_scale, causal,
+                                  window_left, window_right, softcap, dropout_p, backend, tuning)
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                     max_seqlen_k, block_table, softmax_scale, causal, window_left, window_right,
+                     softcap, alibi_slopes, dropout_p, deterministic, backend, tuning=""):
+    total_q, nheads, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty((nheads, total_q), dtype=torch.float32),
+            q.new_empty((2,), dtype=torch.int64))
+
+
+@torch.library.custom_op(
+    "flash_attn::varlen_bwd", mutates_args=(),
+    schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+           "Tensor rng_state, " + _VARLEN_ARGS + "float softmax_scale, bool causal, "
+           "int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
+           "float dropout_p, bool deterministic, str backend, str tuning=\"\") "
+           "-> (Tensor dq, Tensor dk, Tensor dv)")
+def varlen_bwd(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, seqused_q,
+               seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+               window_right, softcap, alibi_slopes, dropout_p, deterministic, backend,
+               tuning=""):
+    return run_varlen_bwd(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k,
+                          seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                          causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                          deterministic, backend, tuning)
+
+
+def run_varlen_bwd(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                   seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                   window_right, softcap, alibi_slopes, dropout_p, deterministic, backend,
+                   tuning=""):
+    """flash_attn::varlen_bwd's computation; ``backend`` is the family of the backward."""
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    dout, q, k, v, out = (kernel_layout(t) for t in (dout, q, k, v, out))
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()
+    index = [None if t is None else t.contiguous()
+             for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)]
+    extension().varlen_bwd(dout, q, k, v, out, lse, rng_state, *index, max_seqlen_q,
+                           max_seqlen_k, dq, dk, dv, alibi_slopes, softmax_scale, causal,
+                           window_left, window_right, softcap, dropout_p, deterministic,
+                           backend, tuning)
+    return dq, dk, dv
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(dout, q, k, v, out, lse, rng_state, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                     seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+                     window_right, softcap, alibi_slopes, dropout_p, deterministic, backend,
+                     tuning=""):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    ctx.num_inputs = len(inputs)
+    q, k, v, cu_q, cu_k, used_q, used_k, max_q, max_k, block_table, *rest = inputs
+    (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
+     deterministic, backend, *tuning) = rest
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, cu_q, cu_k, used_q, used_k,
+                          alibi_slopes)
+    ctx.scalars = (max_q, max_k, softmax_scale, causal, window_left, window_right, softcap)
+    ctx.dropout_p, ctx.deterministic, ctx.backend = dropout_p, deterministic, backend
+    ctx.tuning = tuning[0] if tuning else ""
+    ctx.paged = block_table is not None
+    ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _varlen_backward_with(bwd_fn, ctx, dout):
+    if ctx.paged:
+        # Validation refuses a paged call that needs a gradient; this is the op's own guard.
+        raise RuntimeError("flash_attn: a paged K/V cache (block_table) has no backward")
+    q, k, v, out, lse, rng_state, cu_q, cu_k, used_q, used_k, alibi_slopes = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    max_q, max_k, softmax_scale, causal, window_left, window_right, softcap = ctx.scalars
+    dq, dk, dv = bwd_fn(dout, q, k, v, out, lse, rng_state, cu_q, cu_k, used_q, used_k, max_q,
+                        max_k, softmax_scale, causal, window_left, window_right, softcap,
+                        alibi_slopes, ctx.dropout_p, ctx.deterministic,
+                        build_matrix.backward_family(ctx.backend), ctx.tuning)
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+
+
+def _varlen_backward(ctx, dout, _dlse, _drng_state):
+    return _varlen_backward_with(torch.ops.flash_attn.varlen_bwd, ctx, dout)
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """flash_attn::varlen_fwd with its autograd formula for plain eager calls (``_Attention``'s
+    reason: the registered op's Python dispatch costs ~100 us of CPU per call)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = run_varlen_fwd(*inputs)
+        _varlen_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse, _drng_state):
+        return _varlen_backward_with(run_varlen_bwd, ctx, dout)
+
+
+def varlen_attention(*args):
+    """(out, lse, rng_state) with autograd, as ``torch.ops.flash_attn.varlen_fwd(*args)``; the
+    registered op where something must see through the call, as ``attention``."""
+    q, k, v = args[:3]
+    if (torch.compiler.is_compiling() or type(q) is not torch.Tensor
+            or type(k) is not torch.Tensor or type(v) is not torch.Tensor
+            or torch._C._are_functorch_transforms_active()):
+        return torch.ops.flash_attn.varlen_fwd(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VarlenAttention.apply(*args)
+    return run_varlen_fwd(*args)
+
+
 # ---- the dropout mask a forward used (for return_attn_probs) ---------------------------------
 
 @torch.library.custom_op(

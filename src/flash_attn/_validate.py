@@ -32,7 +32,7 @@ MIN_ARCH = min(f.min_arch for f in build_matrix.FAMILIES.values())
 # pure-PyTorch stand-in for ``flash_attn._C`` (tests/conftest.py).
 KERNEL_DEVICE_TYPE = "cuda"
 
-FEATURES = ("causal", "gqa", "local", "softcap", "alibi", "dropout")
+FEATURES = ("causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen", "paged_kv")
 
 
 class Shapes(NamedTuple):
@@ -45,7 +45,8 @@ class Shapes(NamedTuple):
 
 
 class Call(NamedTuple):
-    """A validated call: what dispatch and the op need, with 2.x's window / causal rules applied."""
+    """A validated call: what dispatch and the op need, with 2.x's window / causal rules applied.
+    A variable-length call's shapes hold its number of sequences and max_seqlen_q / _k."""
 
     shapes: Shapes
     dtype: str                   # "fp16" | "bf16"
@@ -263,3 +264,102 @@ def validate_call(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     features = call_features(causal, window, softcap, alibi_slopes is not None, dropout_p,
                              shapes.nheads, shapes.nheads_k)
     return Call(shapes, dtype, scale, causal, window, features)
+
+
+# ---- variable-length batches ------------------------------------------------------------------
+# Checked from metadata only, as above: reading cu_seqlens' values would synchronise with the
+# GPU on every call. A sequence longer than the max_seqlen given is the caller's error, as in
+# flash_attn 2.x.
+
+def check_max_seqlen(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int (the longest sequence's length), got "
+                        f"{type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def check_index_tensor(name: str, t, shape: Sequence[int], layout: str,
+                       q_device: torch.device) -> None:
+    """cu_seqlens / seqused / block_table: int32 of ``shape`` (None: any size) on q's device."""
+    check_is_tensor(name, t)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be torch.int32, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want
+                                    for got, want in zip(t.shape, shape)):
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
+    if t.device != q_device:
+        raise ValueError(f"{name} must be on the device of q ({q_device}), got {t.device}")
+
+
+def validate_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                         seqused_q=None, seqused_k=None, block_table=None, dropout_p=0.0,
+                         softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes: Optional[torch.Tensor] = None,
+                         names: Sequence[str] = ("q", "k", "v")) -> Call:
+    """All checks of one ``flash_attn_varlen_func`` call. q is (total_q, nheads, headdim); k / v
+    are (total_k, nheads_k, headdim), or with ``block_table`` a paged cache (num_blocks,
+    page_block_size, nheads_k, headdim) whose pages block_table (batch, max_blocks) lists per
+    sequence."""
+    nq, nk, nv = names
+    tensors = (q, k, v)
+    for name, t in zip(names, tensors):
+        check_is_tensor(name, t)
+    check_device(nq, q.device)
+    check_same_device(names, [t.device for t in tensors])
+    dtype = dtype_name(nq, q.dtype)
+    check_same_dtype(names, [t.dtype for t in tensors])
+
+    check_ndim(nq, q.shape, "(total_q, nheads, headdim)")
+    paged = block_table is not None
+    kv_layout = ("(num_blocks, page_block_size, nheads_k, headdim)" if paged
+                 else "(total_k, nheads_k, headdim)")
+    check_ndim(nk, k.shape, kv_layout)
+    check_ndim(nv, v.shape, kv_layout)
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"{nv} must have the shape of {nk}, {tuple(k.shape)}, got "
+                         f"{tuple(v.shape)}")
+    # The dense checks on (1, rows, heads, headdim) views: heads, GQA and head dims.
+    rows_k = k.shape[0] * k.shape[1] if paged else k.shape[0]
+    shapes = check_shapes((1, q.shape[0]) + tuple(q.shape[1:]), (1, rows_k) + tuple(k.shape[-2:]),
+                          (1, rows_k) + tuple(v.shape[-2:]), names)
+
+    check_index_tensor("cu_seqlens_q", cu_seqlens_q, (None,), "(batch + 1,)", q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch < 1:
+        raise ValueError(f"cu_seqlens_q must hold batch + 1 >= 2 offsets (0 first, total_q "
+                         f"last), got shape {tuple(cu_seqlens_q.shape)}")
+    check_index_tensor("cu_seqlens_k", cu_seqlens_k, (batch + 1,), f"(batch + 1,) = ({batch + 1},)"
+                       f" like cu_seqlens_q", q.device)
+    for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if used is not None:
+            check_index_tensor(name, used, (batch,), f"(batch,) = ({batch},)", q.device)
+    max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if paged:
+        check_index_tensor("block_table", block_table, (batch, None),
+                           f"(batch, max_blocks_per_seq) = ({batch}, ...)", q.device)
+        page_size, pages = k.shape[1], block_table.shape[1]
+        if page_size < 1:
+            raise ValueError(f"{nk} has page_block_size {page_size}; it must be at least 1")
+        if max_seqlen_k > pages * page_size:
+            raise ValueError(f"max_seqlen_k is {max_seqlen_k}, more than block_table's "
+                             f"{pages} pages of {page_size} keys hold")
+    shapes = Shapes(batch, max_seqlen_q, max_seqlen_k, shapes.nheads, shapes.nheads_k,
+                    shapes.head_dim)
+
+    check_dropout(dropout_p)
+    scale = resolve_softmax_scale(softmax_scale, shapes.head_dim)
+    window = check_window(window_size)
+    check_softcap(softcap)
+    if alibi_slopes is not None:
+        check_is_tensor("alibi_slopes", alibi_slopes)
+        check_alibi(alibi_slopes.shape, alibi_slopes.dtype, alibi_slopes.device,
+                    batch, shapes.nheads, q.device)
+    # A window side as long as the longest sequence is unlimited for every sequence.
+    causal, window = normalize_window(bool(causal), window, max_seqlen_k)
+    features = call_features(causal, window, softcap, alibi_slopes is not None, dropout_p,
+                             shapes.nheads, shapes.nheads_k)
+    features |= {"varlen", "paged_kv"} if paged else {"varlen"}
+    return Call(shapes, dtype, scale, causal, window, frozenset(features))

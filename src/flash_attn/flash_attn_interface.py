@@ -7,8 +7,10 @@ plain eager calls, the same computation without the op's dispatch: ``_ops.attent
 the padding off. Autograd runs through the pad / slice / unbind like any other op, so gradients
 come back in the caller's shapes.
 
-The varlen and KV-cache entry points exist because libraries (HF transformers) import them by
-name; they raise NotImplementedError until this build has kernels for them.
+The variable-length functions validate and dispatch like the dense ones; a build whose families
+lack the "varlen" feature (build_matrix) raises NotImplementedError saying so. The KV-cache entry
+point exists because libraries import it by name; it raises NotImplementedError until it has
+kernels.
 """
 
 from __future__ import annotations
@@ -169,35 +171,142 @@ def select_backend(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, ali
     return _dispatch.select(call, q.device, backend, need_bwd)
 
 
+# ---- variable-length batches ------------------------------------------------------------------
+
+def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic, return_attn_probs, block_table, seqused_q, seqused_k,
+                      backend, names):
+    call = _validate.validate_varlen_call(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
+        seqused_k=seqused_k, block_table=block_table, dropout_p=dropout_p,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, names=names)
+    need_bwd = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if need_bwd and block_table is not None:
+        raise NotImplementedError(
+            "block_table: attention over a paged K/V cache has no backward (as in flash_attn "
+            "2.x); call it under torch.no_grad() or with q, k, v not requiring grad")
+    family = _dispatch.select(call, q.device, backend, need_bwd)
+    softcap, dropout_p = softcap * 1.0, dropout_p * 1.0
+    q_in, k_in = q, k
+    softmax_scale = call.softmax_scale
+    if softmax_scale <= 0:  # as in _attention: the kernels need scale > 0
+        q = q * (-1.0 if softmax_scale < 0 else 0.0)
+        softmax_scale = -softmax_scale if softmax_scale < 0 else 1.0
+    head_dim = call.shapes.head_dim
+    pad = -head_dim % 8
+    if pad:
+        q, k, v = (F.pad(t, [0, pad]) for t in (q, k, v))
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    window_left, window_right = call.window
+    out, lse, rng_state = _ops.varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+        block_table, softmax_scale, call.causal, window_left, window_right, softcap,
+        alibi_slopes, dropout_p, bool(deterministic), family, "")
+    if pad:
+        out = out.narrow(-1, 0, head_dim)
+    if not return_attn_probs:
+        return out
+    probs = None
+    if dropout_p > 0:
+        probs = _varlen_attn_probs(q_in, k_in, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                   block_table, call, softcap, alibi_slopes, dropout_p,
+                                   rng_state)
+    return out, lse, probs
+
+
+def _varlen_attn_probs(q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                       call, softcap, alibi_slopes, dropout_p, rng_state):
+    """``_attn_probs`` of each sequence, in a (batch, nheads, max_seqlen_q, max_seqlen_k) tensor
+    (sequence b in its top-left corner, zeros elsewhere). Reads cu_seqlens on the host: for
+    tests only, as S_dmask is."""
+    s = call.shapes
+    with torch.no_grad():
+        keep = torch.ops.flash_attn.dropout_mask(rng_state, s.batch, s.nheads, s.seqlen_q,
+                                                 s.seqlen_k, dropout_p)
+        probs = reference.attention_varlen_probs(
+            q.float(), k.float(), cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+            block_table, s.seqlen_q, s.seqlen_k, call.softmax_scale, call.causal, call.window,
+            softcap, alibi_slopes)
+        return torch.where(keep, probs, -probs).to(q.dtype)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None, *, seqused_q=None,
+                           seqused_k=None, backend: Optional[str] = None):
+    """``flash_attn_func`` over a packed batch of sequences of different lengths.
+
+    q: (total_q, nheads, headdim), the batch's query rows one sequence after another; k, v:
+    (total_k, nheads_k, headdim). cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,), the offset
+    of each sequence's first row (0 first, total last); a sequence may be empty.
+    max_seqlen_q / max_seqlen_k: the longest sequence's length (an upper bound is fine; a
+    shorter one is an error the call cannot detect without reading cu_seqlens on the host).
+    seqused_q / seqused_k (keyword-only, as FA3's): int32 (batch,), only that many rows of
+    each sequence take part; the query rows past it come out 0 (and their lse +inf).
+    block_table: int32 (batch, max_blocks_per_seq) with k, v a paged cache (num_blocks,
+    page_block_size, nheads_k, headdim), any page size; forward only. Causal and window align
+    bottom-right within each sequence; ALiBi slopes are (nheads,) or (batch, nheads).
+
+    Returns out (total_q, nheads, headdim), or with return_attn_probs=True (out, softmax_lse
+    (nheads, total_q) float32, S_dmask): S_dmask is None without dropout, else (batch,
+    nheads, max_seqlen_q, max_seqlen_k) as ``flash_attn_func``'s, each sequence in its
+    top-left corner (for tests: it is computed in PyTorch).
+    """
+    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, deterministic, return_attn_probs, block_table,
+                             seqused_q, seqused_k, backend, ("q", "k", "v"))
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *,
+                                     backend: Optional[str] = None):
+    """``flash_attn_varlen_func`` on qkv (total, 3, nheads, headdim), one cu_seqlens for all."""
+    _validate.check_is_tensor("qkv", qkv)
+    _validate.check_ndim("qkv", qkv.shape, "(total, 3, nheads, headdim)")
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv must have shape (total, 3, nheads, headdim), with 3 at dim 1, "
+                         f"got shape {tuple(qkv.shape)}")
+    q, k, v = qkv.unbind(1)
+    return _varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                             dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, deterministic, return_attn_probs, None, None, None,
+                             backend, ("qkv", "qkv", "qkv"))
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                    deterministic=False, return_attn_probs=False, *,
+                                    backend: Optional[str] = None):
+    """``flash_attn_varlen_func`` on q (total_q, nheads, headdim) and kv (total_k, 2, nheads_k,
+    headdim)."""
+    _validate.check_is_tensor("q", q)
+    _validate.check_is_tensor("kv", kv)
+    _validate.check_ndim("kv", kv.shape, "(total_k, 2, nheads_k, headdim)")
+    if kv.shape[1] != 2:
+        raise ValueError(f"kv must have shape (total_k, 2, nheads_k, headdim), with 2 at dim 1, "
+                         f"got shape {tuple(kv.shape)}")
+    k, v = kv.unbind(1)
+    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, deterministic, return_attn_probs, None, None, None,
+                             backend, ("q", "kv", "kv"))
+
+
 # ---- 2.x entry points without kernels yet -----------------------------------------------------
 
 def _not_implemented(name: str):
     raise NotImplementedError(
         f"{name} is not implemented yet in this build of flash_attn (an independent "
         f"implementation of the flash_attn 2.x API); implemented: flash_attn_func, "
-        f"flash_attn_qkvpacked_func, flash_attn_kvpacked_func. For variable-length batches, pad "
-        f"them to one length and call flash_attn_func.")
-
-
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
-    _not_implemented("flash_attn_varlen_func")
-
-
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
-                                     softmax_scale=None, causal=False, window_size=(-1, -1),
-                                     softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
-    _not_implemented("flash_attn_varlen_qkvpacked_func")
-
-
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False,
-                                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                    deterministic=False, return_attn_probs=False):
-    _not_implemented("flash_attn_varlen_kvpacked_func")
+        f"flash_attn_qkvpacked_func, flash_attn_kvpacked_func and the flash_attn_varlen_* "
+        f"functions.")
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

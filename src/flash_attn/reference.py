@@ -25,7 +25,10 @@ from torch import Tensor
 __all__ = [
     "attention_mask",
     "alibi_bias",
+    "attention_probs",
     "attention_ref",
+    "attention_varlen_probs",
+    "attention_varlen_ref",
     "flash_attn1_tiled",
     "flash_attn2_tiled",
     "flash_attn2_tiled_backward",
@@ -103,6 +106,29 @@ def alibi_bias(alibi_slopes: Tensor, seqlen_q: int, seqlen_k: int) -> Tensor:
 
 # ---- the naive reference ---------------------------------------------------------------------
 
+def attention_probs(q: Tensor, k: Tensor, causal: bool, window_size: tuple[int, int],
+                    softcap: float, alibi_slopes: Tensor | None,
+                    softmax_scale: float) -> tuple[Tensor, Tensor]:
+    """(probabilities ``(b, h, sq, sk)`` in q's dtype, lse ``(b, h, sq)``) of
+    :func:`attention_ref`, before dropout: rows that see no key are 0 with lse +inf."""
+    sq, sk, h = q.shape[1], k.shape[1], q.shape[2]
+    dtype = q.dtype
+    acc = _acc_dtype(dtype)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q * softmax_scale, _repeat_kv(k, h))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes.to(q.device), sq, sk).to(dtype)
+    visible = attention_mask(sq, sk, causal, window_size, device=q.device)
+    has_key = visible.any(dim=-1, keepdim=True)  # (sq, 1)
+    # A row that sees no key gets finite dummy scores, so neither softmax nor its backward makes
+    # a NaN; its probabilities are zeroed below. (-inf everywhere would give 0/0.)
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~has_key, 0.0)
+    lse = torch.logsumexp(scores.to(acc), dim=-1).masked_fill(~has_key.squeeze(-1), math.inf)
+    p = torch.softmax(scores.to(acc), dim=-1).masked_fill(~has_key, 0.0).to(dtype)
+    return p, lse
+
+
 def attention_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                   alibi_slopes: Tensor | None = None, softmax_scale: float | None = None,
@@ -128,29 +154,101 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
         softmax_scale = 1.0 / math.sqrt(d)
     if upcast:
         q, k, v = (x.to(torch.float64) for x in (q, k, v))
-    dtype = q.dtype
-    acc = _acc_dtype(dtype)
-    k, v = _repeat_kv(k, h), _repeat_kv(v, h)
-
-    scores = torch.einsum("bqhd,bkhd->bhqk", q * softmax_scale, k)  # (b, h, sq, sk)
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes.to(q.device), sq, sk).to(dtype)
-    visible = attention_mask(sq, sk, causal, window_size, device=q.device)
-    has_key = visible.any(dim=-1, keepdim=True)  # (sq, 1)
-    # A row that sees no key gets finite dummy scores, so neither softmax nor its backward makes
-    # a NaN; its probabilities are zeroed below. (-inf everywhere would give 0/0.)
-    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~has_key, 0.0)
-
-    lse = torch.logsumexp(scores.to(acc), dim=-1).masked_fill(~has_key.squeeze(-1), math.inf)
-    p = torch.softmax(scores.to(acc), dim=-1).masked_fill(~has_key, 0.0).to(dtype)
+    v = _repeat_kv(v, h)
+    p, lse = attention_probs(q, k, causal, window_size, softcap, alibi_slopes, softmax_scale)
     if dropout_p > 0.0:
         if dropout_mask is None:
             raise ValueError("attention_ref: dropout_p > 0 needs the dropout_mask to apply")
         p = p.masked_fill(~dropout_mask.to(q.device), 0.0) * (1.0 / (1.0 - dropout_p))
     out = torch.einsum("bhqk,bkhd->bqhd", p, v)
     return (out, lse) if return_lse else out
+
+
+def attention_varlen_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                         cu_seqlens_k: Tensor, seqused_q: Tensor | None = None,
+                         seqused_k: Tensor | None = None, block_table: Tensor | None = None,
+                         alibi_slopes: Tensor | None = None, dropout_mask: Tensor | None = None,
+                         return_lse: bool = False, **kwargs):
+    """:func:`attention_ref` of each sequence of a packed (variable-length) batch, with
+    ``flash_attn_varlen_func``'s layouts: q ``(total_q, nheads, headdim)``, k / v
+    ``(total_k, nheads_k, headdim)``; out like q, lse ``(nheads, total_q)``.
+
+    Sequence ``b`` holds the q rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and the k / v rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``, of which only the first ``seqused_q[b]`` /
+    ``seqused_k[b]`` take part when given. With ``block_table`` (batch, max_blocks), k / v are a
+    paged cache ``(num_blocks, page_block_size, nheads_k, headdim)`` and key ``j`` of sequence
+    ``b`` is row ``j % page_block_size`` of page ``block_table[b, j // page_block_size]``;
+    cu_seqlens_k then only gives the lengths. Causal and window masks align bottom-right per
+    sequence. Query rows that do not take part (past seqused_q) are 0 with lse +inf, like rows
+    that see no key. ``alibi_slopes``: (nheads,) or (batch, nheads); ``dropout_mask``:
+    (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b's in its top-left corner. The other
+    keyword arguments are :func:`attention_ref`'s.
+    """
+    upcast = kwargs.get("upcast", True)
+    out = q.new_zeros(q.shape, dtype=torch.float64 if upcast else q.dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float64 if upcast else
+                     torch.float32, device=q.device)
+    for b, q0, len_q, k0, len_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        if len_q == 0:
+            continue
+        kb, vb = (_sequence_rows(t, b, k0, len_k, block_table) for t in (k, v))
+        mask = None if dropout_mask is None else dropout_mask[b:b + 1, :, :len_q, :len_k]
+        o, l = attention_ref(q[None, q0:q0 + len_q], kb[None], vb[None],
+                             alibi_slopes=_sequence_slopes(alibi_slopes, b), dropout_mask=mask,
+                             return_lse=True, **kwargs)
+        out[q0:q0 + len_q] = o[0].to(out.dtype)
+        lse[:, q0:q0 + len_q] = l[0].to(lse.dtype)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_probs(q: Tensor, k: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           seqused_q: Tensor | None, seqused_k: Tensor | None,
+                           block_table: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+                           softmax_scale: float, causal: bool, window_size: tuple[int, int],
+                           softcap: float, alibi_slopes: Tensor | None) -> Tensor:
+    """:func:`attention_probs` of each sequence of :func:`attention_varlen_ref`'s batch, in a
+    ``(batch, nheads, max_seqlen_q, max_seqlen_k)`` tensor of q's dtype: sequence b in the
+    top-left corner of ``[b]``, zeros elsewhere."""
+    batch = cu_seqlens_q.shape[0] - 1
+    probs = q.new_zeros((batch, q.shape[1], max_seqlen_q, max_seqlen_k))
+    for b, q0, len_q, k0, len_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+        p, _ = attention_probs(q[None, q0:q0 + len_q],
+                               _sequence_rows(k, b, k0, len_k, block_table)[None], causal,
+                               window_size, softcap, _sequence_slopes(alibi_slopes, b),
+                               softmax_scale)
+        probs[b, :, :len_q, :len_k] = p[0]
+    return probs
+
+
+def _sequences(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Tensor | None,
+               seqused_k: Tensor | None) -> list[tuple[int, int, int, int, int]]:
+    """(b, first q row, q rows used, first k row, k rows used) of each sequence."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used_q = seqused_q.tolist() if seqused_q is not None else None
+    used_k = seqused_k.tolist() if seqused_k is not None else None
+    return [(b, starts_q[b],
+             starts_q[b + 1] - starts_q[b] if used_q is None else used_q[b],
+             starts_k[b],
+             starts_k[b + 1] - starts_k[b] if used_k is None else used_k[b])
+            for b in range(len(starts_q) - 1)]
+
+
+def _sequence_rows(t: Tensor, b: int, first: int, length: int,
+                   block_table: Tensor | None) -> Tensor:
+    """Rows ``first:first + length`` of packed ``t``, or with ``block_table`` the first
+    ``length`` rows of sequence b in the paged ``t`` (num_blocks, page_block_size, ...)."""
+    if block_table is None:
+        return t[first:first + length]
+    rows = torch.arange(length, device=t.device)
+    pages = block_table[b].to(device=t.device, dtype=torch.long)[rows // t.shape[1]]
+    return t[pages, rows % t.shape[1]]
+
+
+def _sequence_slopes(alibi_slopes: Tensor | None, b: int) -> Tensor | None:
+    """Sequence b's ALiBi slopes: (nheads,) as given, or row b of (batch, nheads)."""
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        return alibi_slopes[b]
+    return alibi_slopes
 
 
 # ---- the tiled algorithms --------------------------------------------------------------------
