@@ -373,6 +373,29 @@ class FakeExtension(types.ModuleType):
             dk[keys] += grads[1][0].to(dk.dtype)
             dv[keys] += grads[2][0].to(dv.dtype)
 
+    # ---- the KV cache (reference.attention_kvcache_ref, the caches written in place)
+
+    def kvcache_fwd(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                    cache_seqlen, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                    softmax_scale, causal, window_left, window_right, softcap,
+                    rotary_interleaved, num_splits, family, tuning=""):
+        self.calls.append(("kvcache_fwd", family, tuple(q.shape), tuple(k_cache.shape),
+                           block_table is not None, k is not None, rotary_cos is not None,
+                           softmax_scale, causal, (window_left, window_right), softcap,
+                           num_splits))
+        self._find_kernel(family, "fwd", q)
+        self._check_family(family, window_left, window_right, causal, softcap, alibi_slopes, 0.0)
+        seqlens = cache_seqlens if cache_seqlens is not None else (
+            None if cache_seqlen < 0 else int(cache_seqlen))
+        out, lse, k_after, v_after = reference.attention_kvcache_ref(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx,
+            cache_leftpad, block_table, bool(rotary_interleaved), causal=causal,
+            window_size=(window_left, window_right), softcap=softcap,
+            alibi_slopes=alibi_slopes, softmax_scale=softmax_scale)
+        k_cache.copy_(k_after)
+        v_cache.copy_(v_after)
+        return out.to(q.dtype), lse.float()
+
 
 def matrix_configs(families=None, archs_ok=True):
     """built_configs() tuples for the whole build matrix (optionally some families only)."""

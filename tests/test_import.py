@@ -70,11 +70,3 @@ def test_cpu_call_raises_a_clear_error():
     q = torch.randn(1, 4, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"q must be on a CUDA device, got cpu"):
         flash_attn.flash_attn_func(q, q, q)
-
-
-@pytest.mark.parametrize("name,args", [
-    ("flash_attn_with_kvcache", (None,) * 3),
-])
-def test_unimplemented_entry_points_say_so(name, args):
-    with pytest.raises(NotImplementedError, match=rf"{name} is not implemented yet in this build"):
-        getattr(flash_attn, name)(*args)

@@ -50,6 +50,7 @@ _FEATURE_TEXT = {
     "dropout": "dropout_p > 0",
     "varlen": "variable-length batches (cu_seqlens)",
     "paged_kv": "a paged K/V cache (block_table)",
+    "kvcache": "attention over a KV cache (flash_attn_with_kvcache)",
 }
 
 

@@ -408,6 +408,67 @@ def varlen_attention(*args):
     return run_varlen_fwd(*args)
 
 
+# ---- the KV cache ------------------------------------------------------------------------------
+# flash_attn::kvcache_fwd: reference.attention_kvcache_ref's semantics, the new k / v written
+# into k_cache / v_cache in place (declared as mutations, so torch.compile and CUDA graphs see
+# them). cache_seqlens is a tensor, or None with cache_seqlen the int the caller gave (-1: the
+# cache is full), which keeps a tensor allocation off a decode step's host path. No autograd.
+
+@torch.library.custom_op(
+    "flash_attn::kvcache_fwd", mutates_args=("k_cache", "v_cache"),
+    schema="(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+           "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_seqlens, SymInt cache_seqlen, "
+           "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, "
+           "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
+           "bool rotary_interleaved, Tensor? alibi_slopes, int num_splits, str backend, "
+           "str tuning=\"\") -> (Tensor out, Tensor lse)")
+def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
+                cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
+                window_right, softcap, rotary_interleaved, alibi_slopes, num_splits, backend,
+                tuning=""):
+    return run_kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                           cache_seqlen, cache_batch_idx, cache_leftpad, block_table,
+                           softmax_scale, causal, window_left, window_right, softcap,
+                           rotary_interleaved, alibi_slopes, num_splits, backend, tuning)
+
+
+def run_kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                    cache_seqlen, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+                    causal, window_left, window_right, softcap, rotary_interleaved,
+                    alibi_slopes, num_splits, backend, tuning=""):
+    """flash_attn::kvcache_fwd's computation (the op's and the eager path's). The caches are
+    written in place, so they are never copied: the extension takes their strides as given."""
+    q = kernel_layout(q)
+    k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, \
+        alibi_slopes = (None if t is None else t.contiguous() for t in (
+            k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, alibi_slopes))
+    return extension().kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                   cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad,
+                                   block_table, alibi_slopes, softmax_scale, causal,
+                                   window_left, window_right, softcap, rotary_interleaved,
+                                   num_splits, backend, tuning)
+
+
+@kvcache_fwd.register_fake
+def _kvcache_fwd_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                      cache_seqlen, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+                      causal, window_left, window_right, softcap, rotary_interleaved,
+                      alibi_slopes, num_splits, backend, tuning=""):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+def kvcache_attention(*args):
+    """(out, lse) as ``torch.ops.flash_attn.kvcache_fwd(*args)``, which runs where something
+    must see through the call (``attention``'s rule); plain eager calls skip its dispatch."""
+    if torch.compiler.is_compiling() or any(
+            isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in args) or \
+            torch._C._are_functorch_transforms_active():
+        return torch.ops.flash_attn.kvcache_fwd(*args)
+    return run_kvcache_fwd(*args)
+
+
 # ---- the dropout mask a forward used (for return_attn_probs) ---------------------------------
 
 @torch.library.custom_op(

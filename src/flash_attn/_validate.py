@@ -32,7 +32,8 @@ MIN_ARCH = min(f.min_arch for f in build_matrix.FAMILIES.values())
 # pure-PyTorch stand-in for ``flash_attn._C`` (tests/conftest.py).
 KERNEL_DEVICE_TYPE = "cuda"
 
-FEATURES = ("causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen", "paged_kv")
+FEATURES = ("causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen", "paged_kv",
+            "kvcache")
 
 
 class Shapes(NamedTuple):
@@ -362,4 +363,123 @@ def validate_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     features = call_features(causal, window, softcap, alibi_slopes is not None, dropout_p,
                              shapes.nheads, shapes.nheads_k)
     features |= {"varlen", "paged_kv"} if paged else {"varlen"}
+    return Call(shapes, dtype, scale, causal, window, frozenset(features))
+
+
+# ---- the KV cache -----------------------------------------------------------------------------
+
+def check_rotary_dim(rotary_dim: int, head_dim: int) -> None:
+    if rotary_dim % 16 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_cos / rotary_sin cover rotary_dim = 2 x their dim 1 = "
+                         f"{rotary_dim} dims; it must be a multiple of 16 from 16 to the head "
+                         f"dim {head_dim}")
+
+
+def validate_kvcache_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                          cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                          block_table=None, softmax_scale=None, causal=False,
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                          num_splits=0) -> Call:
+    """All checks of one ``flash_attn_with_kvcache`` call; the call's shapes hold the cache's
+    capacity per sequence as seqlen_k."""
+    names = ("q", "k_cache", "v_cache")
+    tensors = (q, k_cache, v_cache)
+    for name, t in zip(names, tensors):
+        check_is_tensor(name, t)
+    check_device("q", q.device)
+    check_same_device(names, [t.device for t in tensors])
+    dtype = dtype_name("q", q.dtype)
+    check_same_dtype(names, [t.dtype for t in tensors])
+    paged = block_table is not None
+    layout = ("(num_blocks, page_block_size, nheads_k, headdim)" if paged
+              else "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    check_ndim("q", q.shape, "(batch, seqlen_q, nheads, headdim)")
+    check_ndim("k_cache", k_cache.shape, layout)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have the shape of k_cache, {tuple(k_cache.shape)}, got "
+                         f"{tuple(v_cache.shape)}")
+    batch = q.shape[0]
+    if paged:
+        check_index_tensor("block_table", block_table, (batch, None),
+                           f"(batch, max_blocks_per_seq) = ({batch}, ...)", q.device)
+        capacity = block_table.shape[1] * k_cache.shape[1]
+        if k_cache.shape[1] < 1:
+            raise ValueError(f"k_cache has page_block_size {k_cache.shape[1]}; it must be at "
+                             f"least 1")
+        for name, value in (("cache_batch_idx", cache_batch_idx),
+                            ("cache_leftpad", cache_leftpad)):
+            if value is not None:
+                raise ValueError(f"{name} cannot be combined with block_table (a paged cache "
+                                 f"picks each sequence's pages itself)")
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is None and k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache has batch size {k_cache.shape[0]} but q has {batch}; "
+                             f"they must match unless cache_batch_idx picks the cache rows")
+    shapes = check_shapes(q.shape, (batch, capacity) + tuple(k_cache.shape[2:]),
+                          (batch, capacity) + tuple(v_cache.shape[2:]), names)
+
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new keys and values to append) must be given together")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            check_is_tensor(name, t)
+            check_ndim(name, t.shape, "(batch, seqlen_new, nheads_k, headdim)")
+            if t.device != q.device or t.dtype != q.dtype:
+                raise ValueError(f"{name} must be {q.dtype} on {q.device} like q, got "
+                                 f"{t.dtype} on {t.device}")
+            want = (batch, k.shape[1], shapes.nheads_k, shapes.head_dim)
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} must have shape (batch, seqlen_new, nheads_k, headdim)"
+                                 f" = {want}, got {tuple(t.shape)}")
+        if k.shape[1] > capacity:
+            raise ValueError(f"k has {k.shape[1]} new tokens, more than the cache holds "
+                             f"({capacity} per sequence)")
+    if isinstance(cache_seqlens, torch.Tensor):
+        check_index_tensor("cache_seqlens", cache_seqlens, (batch,), f"(batch,) = ({batch},)",
+                           q.device)
+    elif cache_seqlens is not None:
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.SymInt)):
+            raise TypeError(f"cache_seqlens must be an int, an int32 tensor (batch,) or None, "
+                            f"got {type(cache_seqlens).__name__}")
+        new = 0 if k is None else k.shape[1]
+        if not 0 <= cache_seqlens <= capacity - new:
+            raise ValueError(f"cache_seqlens is {cache_seqlens}; with {new} new tokens it must "
+                             f"be in [0, {capacity - new}] (the cache holds {capacity})")
+    if cache_batch_idx is not None:
+        check_index_tensor("cache_batch_idx", cache_batch_idx, (batch,),
+                           f"(batch,) = ({batch},)", q.device)
+    if cache_leftpad is not None:
+        check_index_tensor("cache_leftpad", cache_leftpad, (batch,), f"(batch,) = ({batch},)",
+                           q.device)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            check_is_tensor(name, t)
+            check_ndim(name, t.shape, "(seqlen_ro, rotary_dim / 2)")
+            if t.device != q.device or t.dtype != q.dtype:
+                raise ValueError(f"{name} must be {q.dtype} on {q.device} like q, got "
+                                 f"{t.dtype} on {t.device}")
+        if tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
+            raise ValueError(f"rotary_sin must have the shape of rotary_cos, "
+                             f"{tuple(rotary_cos.shape)}, got {tuple(rotary_sin.shape)}")
+        check_rotary_dim(2 * rotary_cos.shape[1], shapes.head_dim)
+        if rotary_cos.shape[0] < capacity:
+            raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions; it needs one per "
+                             f"cache position ({capacity})")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
+
+    scale = resolve_softmax_scale(softmax_scale, shapes.head_dim)
+    window = check_window(window_size)
+    check_softcap(softcap)
+    if alibi_slopes is not None:
+        check_is_tensor("alibi_slopes", alibi_slopes)
+        check_alibi(alibi_slopes.shape, alibi_slopes.dtype, alibi_slopes.device,
+                    batch, shapes.nheads, q.device)
+    causal, window = normalize_window(bool(causal), window, capacity)
+    features = call_features(causal, window, softcap, alibi_slopes is not None, 0.0,
+                             shapes.nheads, shapes.nheads_k)
+    features |= {"kvcache", "paged_kv"} if paged else {"kvcache"}
     return Call(shapes, dtype, scale, causal, window, frozenset(features))

@@ -7,10 +7,9 @@ plain eager calls, the same computation without the op's dispatch: ``_ops.attent
 the padding off. Autograd runs through the pad / slice / unbind like any other op, so gradients
 come back in the caller's shapes.
 
-The variable-length functions validate and dispatch like the dense ones; a build whose families
-lack the "varlen" feature (build_matrix) raises NotImplementedError saying so. The KV-cache entry
-point exists because libraries import it by name; it raises NotImplementedError until it has
-kernels.
+The variable-length and KV-cache functions validate and dispatch like the dense ones; a build
+whose families lack their feature ("varlen", "kvcache" in build_matrix) raises
+NotImplementedError saying so.
 """
 
 from __future__ import annotations
@@ -299,19 +298,54 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                              backend, ("q", "kv", "kv"))
 
 
-# ---- 2.x entry points without kernels yet -----------------------------------------------------
-
-def _not_implemented(name: str):
-    raise NotImplementedError(
-        f"{name} is not implemented yet in this build of flash_attn (an independent "
-        f"implementation of the flash_attn 2.x API); implemented: flash_attn_func, "
-        f"flash_attn_qkvpacked_func, flash_attn_kvpacked_func and the flash_attn_varlen_* "
-        f"functions.")
-
+# ---- the KV cache ------------------------------------------------------------------------------
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    _not_implemented("flash_attn_with_kvcache")
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            backend: Optional[str] = None):
+    """Attention of q over a KV cache, appending new keys and values to it in place
+    (inference: no autograd), flash_attn 2.x semantics.
+
+    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch_cache, seqlen_cache,
+    nheads_k, headdim), or with block_table (batch, max_blocks_per_seq) int32 a paged cache
+    (num_blocks, page_block_size, nheads_k, headdim) with any page size >= 1. cache_seqlens:
+    int or int32 (batch,), the tokens already in each sequence's cache (None: the cache is
+    full). k, v (batch, seqlen_new, nheads_k, headdim), optional: written into the cache at
+    positions cache_seqlens .. cache_seqlens + seqlen_new - 1, rotated first when rotary_cos /
+    rotary_sin (seqlen_ro, rotary_dim / 2) are given; the attention then covers them. q is
+    rotated at positions cache_seqlens + i when causal or local, else all at cache_seqlens;
+    rotary_interleaved: pairs (2i, 2i + 1) (GPT-J) or (i, i + rotary_dim / 2) (GPT-NeoX).
+    cache_batch_idx (batch,) int32: the cache row of each sequence. cache_leftpad (batch,)
+    int32: the first cache position a sequence attends to. Causal / window / ALiBi align
+    bottom-right within each sequence's keys. num_splits: split the keys over that many CTAs
+    (0: automatic).
+
+    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse (batch, nheads,
+    seqlen_q) float32) with return_softmax_lse=True.
+    """
+    call = _validate.validate_kvcache_call(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        num_splits)
+    family = _dispatch.select(call, q.device, backend, False)
+    softmax_scale = call.softmax_scale
+    if softmax_scale <= 0:  # as in _attention: the kernels need scale > 0
+        q = q * (-1.0 if softmax_scale < 0 else 0.0)
+        softmax_scale = -softmax_scale if softmax_scale < 0 else 1.0
+    if call.shapes.head_dim % 8:
+        # The kernels read rows in 16-byte vectors and the cache is written in place, so it
+        # cannot be padded here as q, k, v are elsewhere.
+        raise ValueError(f"flash_attn_with_kvcache needs a head dim that is a multiple of 8, "
+                         f"got {call.shapes.head_dim}")
+    tensor_seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    cache_seqlen = -1 if cache_seqlens is None or tensor_seqlens is not None else cache_seqlens
+    window_left, window_right = call.window
+    out, lse = _ops.kvcache_attention(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, tensor_seqlens, cache_seqlen,
+        cache_batch_idx, cache_leftpad, block_table, softmax_scale, call.causal, window_left,
+        window_right, softcap * 1.0, bool(rotary_interleaved), alibi_slopes, num_splits,
+        family, "")
+    return (out, lse) if return_softmax_lse else out

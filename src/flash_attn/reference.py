@@ -29,6 +29,8 @@ __all__ = [
     "attention_ref",
     "attention_varlen_probs",
     "attention_varlen_ref",
+    "attention_kvcache_ref",
+    "apply_rotary",
     "flash_attn1_tiled",
     "flash_attn2_tiled",
     "flash_attn2_tiled_backward",
@@ -249,6 +251,97 @@ def _sequence_slopes(alibi_slopes: Tensor | None, b: int) -> Tensor | None:
     if alibi_slopes is not None and alibi_slopes.dim() == 2:
         return alibi_slopes[b]
     return alibi_slopes
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
+                 interleaved: bool) -> Tensor:
+    """Rotary embedding of ``x`` (..., seqlen, nheads, headdim) at ``positions`` (..., seqlen)
+    with the tables ``cos`` / ``sin`` (seqlen_ro, rotary_dim / 2), in x's dtype (computed in
+    float64). The first rotary_dim dims rotate in pairs: (2i, 2i + 1) when ``interleaved``
+    (GPT-J), (i, i + rotary_dim / 2) otherwise (GPT-NeoX); the rest pass through."""
+    half = cos.shape[1]
+    c = cos.double()[positions].unsqueeze(-2)      # (..., seqlen, 1, half)
+    s = sin.double()[positions].unsqueeze(-2)
+    xr = x[..., :2 * half].double()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rotated = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        rotated = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+
+def attention_kvcache_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
+                          v: Tensor | None = None, rotary_cos: Tensor | None = None,
+                          rotary_sin: Tensor | None = None, cache_seqlens=None,
+                          cache_batch_idx: Tensor | None = None,
+                          cache_leftpad: Tensor | None = None,
+                          block_table: Tensor | None = None, rotary_interleaved: bool = True,
+                          causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                          alibi_slopes: Tensor | None = None, upcast: bool = True,
+                          **kwargs):
+    """``flash_attn_with_kvcache``'s semantics (flash_attn 2.x), without touching its inputs:
+    returns ``(out, lse, k_cache_after, v_cache_after)``.
+
+    Sequence b uses cache row ``cache_batch_idx[b]`` (default b), or with ``block_table`` a paged
+    cache (num_blocks, page_block_size, nheads_k, headdim) whose position j is row
+    ``j % page_block_size`` of page ``block_table[b, j // page_block_size]``. The new ``k`` /
+    ``v`` (batch, seqlen_new, ...) are written at positions ``cache_seqlens[b] + j`` (k rotated
+    there first); the sequence then attends to positions ``cache_leftpad[b]`` (default 0) up
+    to ``cache_seqlens[b] + seqlen_new``, with causal / window / ALiBi aligned bottom-right
+    within them. q is rotated at ``cache_seqlens[b] + i`` when causal or local, else at
+    ``cache_seqlens[b]`` for every row. ``cache_seqlens``: int, int32 (batch,) or None (the
+    cache is full). Other keyword arguments are :func:`attention_ref`'s; out and lse come from
+    it (float64 with ``upcast``), the caches keep their dtype.
+    """
+    batch, seqlen_q = q.shape[:2]
+    new = 0 if k is None else k.shape[1]
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    if cache_seqlens is None:
+        lengths = [capacity - new] * batch
+    elif isinstance(cache_seqlens, int):
+        lengths = [cache_seqlens] * batch
+    else:
+        lengths = cache_seqlens.tolist()
+    rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(batch))
+    starts = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
+    local = window_size != (-1, -1)
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+
+    def slots(b, positions):
+        """Where positions of sequence b live in the cache: an index into its first two dims."""
+        if not paged:
+            return rows[b], positions
+        page = k_cache.shape[1]
+        return block_table[b].long().to(positions.device)[positions // page], positions % page
+
+    outs, lses = [], []
+    for b in range(batch):
+        s0 = lengths[b]
+        if k is not None:
+            positions = torch.arange(s0, s0 + new, device=q.device)
+            kb = k[b]
+            if rotary_cos is not None:
+                kb = apply_rotary(kb, rotary_cos, rotary_sin, positions, rotary_interleaved)
+            k_cache[slots(b, positions)] = kb.to(k_cache.dtype)
+            v_cache[slots(b, positions)] = v[b].to(v_cache.dtype)
+        qb = q[b]
+        if rotary_cos is not None:
+            offsets = torch.arange(seqlen_q, device=q.device) if causal or local else \
+                torch.zeros(seqlen_q, dtype=torch.long, device=q.device)
+            qb = apply_rotary(qb, rotary_cos, rotary_sin, s0 + offsets, rotary_interleaved)
+        keys = torch.arange(starts[b], s0 + new, device=q.device)
+        kb, vb = k_cache[slots(b, keys)], v_cache[slots(b, keys)]
+        slopes = alibi_slopes[b] if alibi_slopes is not None and alibi_slopes.dim() == 2 \
+            else alibi_slopes
+        o, l = attention_ref(qb[None], kb[None], vb[None], causal=causal,
+                             window_size=window_size, alibi_slopes=slopes, upcast=upcast,
+                             return_lse=True, **kwargs)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs), torch.cat(lses), k_cache, v_cache
 
 
 # ---- the tiled algorithms --------------------------------------------------------------------
