@@ -1,0 +1,154 @@
+"""flash_attn_with_kvcache on the GPU, for every family whose build_matrix entry has the
+"kvcache" feature: the output against reference.attention_kvcache_ref (float64, and plain
+PyTorch at the input precision) under the forward's error rule (_gpu_common.py), and the cache
+after the call against the reference's: new values exactly where they belong, rotated keys
+within one rounding of the reference's, every other position untouched.
+
+A family without the feature skips, saying so: today none has it (issue 34 adds the kernels).
+"""
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import flash_attn
+from flash_attn import build_matrix, reference
+from conftest import requires_gpu
+from _gpu_common import DEVICE, assert_lse, assert_rule, poison_allocator, randn, skip_unless_built
+
+pytestmark = requires_gpu
+
+FAMILIES = [pytest.param(f, id=f) for f in ("fa2", "fa3")]
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def skip_unless_kvcache(family, dtype, d, paged=False):
+    features = build_matrix.FAMILIES[family].features
+    if "kvcache" not in features or (paged and "paged_kv" not in features):
+        pytest.skip(f"{family} has no {'paged ' if paged else ''}KV-cache kernels in this version")
+    if family not in flash_attn.available_backends():
+        pytest.skip(f"this build does not run {family} on this GPU")
+    skip_unless_built(family, dtype, d, ("fwd",))
+
+
+def rotary_tables(positions, rotary_dim, dtype):
+    angle = torch.rand(positions, rotary_dim // 2, device=DEVICE) * 2 * math.pi
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def paged_copy(cache, page, block_table=None):
+    """cache (batch, capacity, ...) as a paged pool with shuffled pages (those of block_table,
+    or new ones) and NaN in the spares, and its block_table."""
+    batch, capacity = cache.shape[:2]
+    pages = -(-capacity // page)
+    num_blocks = batch * pages + 7
+    if block_table is None:
+        block_table = torch.randperm(num_blocks, device=DEVICE)[:batch * pages].view(batch, pages)
+    block_table = block_table.long()
+    pool = torch.full((num_blocks, page) + tuple(cache.shape[2:]), math.nan, dtype=cache.dtype,
+                      device=DEVICE)
+    j = torch.arange(capacity, device=DEVICE)
+    for b in range(batch):
+        pool[block_table[b, j // page], j % page] = cache[b]
+    return pool, block_table.to(torch.int32)
+
+
+def check_call(family, q, k_cache, v_cache, dtype, **kw):
+    """Ours against the references; the caches after the call against the reference's."""
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    poison_allocator()
+    out, lse = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, backend=family,
+                                                  return_softmax_lse=True, **kw)
+    truth = reference.attention_kvcache_ref(q, k_ref, v_ref, upcast=True, **kw)
+    lowp = reference.attention_kvcache_ref(q, k_ref, v_ref, upcast=False, **kw)
+    assert_rule("out", out, lowp[0], truth[0], 2, dtype)
+    assert_lse(lse, truth[1])
+    # Values are copied exactly; a rotated key may differ from the float64 rotation's rounding
+    # by one unit in the last place.
+    assert torch.equal(v_cache.nan_to_num(7.0), truth[3].nan_to_num(7.0))
+    if kw.get("rotary_cos") is None:
+        assert torch.equal(k_cache.nan_to_num(7.0), truth[2].nan_to_num(7.0))
+    else:
+        diff = (k_cache.double() - truth[2].double()).nan_to_num(0.0).abs()
+        assert (diff <= torch.finfo(dtype).eps * truth[2].double().abs().nan_to_num(0.0)).all()
+    return out
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_with_append(family, heads, seqlen_q):
+    dtype, d, batch, capacity = torch.bfloat16, 128, 5, 3000
+    skip_unless_kvcache(family, dtype, d)
+    h, hk = heads
+    q = randn(batch, seqlen_q, h, d, dtype=dtype)
+    k_cache, v_cache = (randn(batch, capacity, hk, d, dtype=dtype) for _ in range(2))
+    k, v = (randn(batch, seqlen_q, hk, d, dtype=dtype) for _ in range(2))
+    lengths = torch.tensor([0, 1, 127, 1000, capacity - seqlen_q], dtype=torch.int32,
+                           device=DEVICE)
+    check_call(family, q, k_cache, v_cache, dtype, k=k, v=v, cache_seqlens=lengths, causal=True)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rotary(family, interleaved):
+    dtype, d, batch, capacity = torch.float16, 128, 3, 700
+    skip_unless_kvcache(family, dtype, d)
+    q = randn(batch, 3, 16, d, dtype=dtype)
+    k_cache, v_cache = (randn(batch, capacity, 4, d, dtype=dtype) for _ in range(2))
+    k, v = (randn(batch, 3, 4, d, dtype=dtype) for _ in range(2))
+    cos, sin = rotary_tables(capacity, 64, dtype)
+    lengths = torch.tensor([5, 300, 690], dtype=torch.int32, device=DEVICE)
+    check_call(family, q, k_cache, v_cache, dtype, k=k, v=v, rotary_cos=cos, rotary_sin=sin,
+               rotary_interleaved=interleaved, cache_seqlens=lengths, causal=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_idx_leftpad_window_softcap(family):
+    dtype, d, capacity = torch.bfloat16, 64, 900
+    skip_unless_kvcache(family, dtype, d)
+    q = randn(3, 2, 8, d, dtype=dtype)
+    k_cache, v_cache = (randn(6, capacity, 2, d, dtype=dtype) for _ in range(2))
+    k, v = (randn(3, 2, 2, d, dtype=dtype) for _ in range(2))
+    check_call(family, q, k_cache, v_cache, dtype, k=k, v=v,
+               cache_seqlens=torch.tensor([10, 400, 897], dtype=torch.int32, device=DEVICE),
+               cache_batch_idx=torch.tensor([5, 0, 3], dtype=torch.int32, device=DEVICE),
+               cache_leftpad=torch.tensor([3, 0, 200], dtype=torch.int32, device=DEVICE),
+               window_size=(256, 0), softcap=30.0)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3, 16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_split_kv_agrees(family, num_splits):
+    dtype, d = torch.bfloat16, 128
+    skip_unless_kvcache(family, dtype, d)
+    q = randn(2, 1, 32, d, dtype=dtype)
+    k_cache, v_cache = (randn(2, 16384, 8, d, dtype=dtype) for _ in range(2))
+    check_call(family, q, k_cache, v_cache, dtype,
+               cache_seqlens=torch.tensor([16384, 9000], dtype=torch.int32, device=DEVICE),
+               num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page", [1, 16, 64, 256])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_paged_matches_contiguous(family, page):
+    dtype, d, batch, capacity = torch.bfloat16, 128, 3, 1024
+    skip_unless_kvcache(family, dtype, d, paged=True)
+    q = randn(batch, 1, 32, d, dtype=dtype)
+    k_cache, v_cache = (randn(batch, capacity, 8, d, dtype=dtype) for _ in range(2))
+    k, v = (randn(batch, 1, 8, d, dtype=dtype) for _ in range(2))
+    cos, sin = rotary_tables(-(-capacity // page) * page, 128, dtype)
+    lengths = torch.tensor([0, 333, capacity - 1], dtype=torch.int32, device=DEVICE)
+    k_pool, block_table = paged_copy(k_cache, page)
+    v_pool, _ = paged_copy(v_cache, page, block_table)
+    common = dict(k=k, v=v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lengths, causal=True,
+                  backend=family)
+    want = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, **common)
+    got = flash_attn.flash_attn_with_kvcache(q, k_pool, v_pool, block_table=block_table, **common)
+    assert torch.equal(got, want)
