@@ -65,8 +65,9 @@ def check_call(family, q, k_cache, v_cache, dtype, **kw):
     poison_allocator()
     out, lse = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, backend=family,
                                                   return_softmax_lse=True, **kw)
-    truth = reference.attention_kvcache_ref(q, k_ref, v_ref, upcast=True, **kw)
-    lowp = reference.attention_kvcache_ref(q, k_ref, v_ref, upcast=False, **kw)
+    ref_kw = {key: value for key, value in kw.items() if key != "num_splits"}
+    truth = reference.attention_kvcache_ref(q, k_ref, v_ref, upcast=True, **ref_kw)
+    lowp = reference.attention_kvcache_ref(q, k_ref, v_ref, upcast=False, **ref_kw)
     assert_rule("out", out, lowp[0], truth[0], 2, dtype)
     assert_lse(lse, truth[1])
     # Values are copied exactly; a rotated key may differ from the float64 rotation's rounding
@@ -95,9 +96,10 @@ def test_decode_with_append(family, heads, seqlen_q):
     check_call(family, q, k_cache, v_cache, dtype, k=k, v=v, cache_seqlens=lengths, causal=True)
 
 
+@pytest.mark.parametrize("causal", [True, False])   # not causal: every q row at cache_seqlens
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_rotary(family, interleaved):
+def test_rotary(family, interleaved, causal):
     dtype, d, batch, capacity = torch.float16, 128, 3, 700
     skip_unless_kvcache(family, dtype, d)
     q = randn(batch, 3, 16, d, dtype=dtype)
@@ -106,7 +108,23 @@ def test_rotary(family, interleaved):
     cos, sin = rotary_tables(capacity, 64, dtype)
     lengths = torch.tensor([5, 300, 690], dtype=torch.int32, device=DEVICE)
     check_call(family, q, k_cache, v_cache, dtype, k=k, v=v, rotary_cos=cos, rotary_sin=sin,
-               rotary_interleaved=interleaved, cache_seqlens=lengths, causal=True)
+               rotary_interleaved=interleaved, cache_seqlens=lengths, causal=causal)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rotary_with_leftpad_and_int_seqlens(family):
+    # Rotary positions are absolute cache positions, leftpad or not; an int cache_seqlens is
+    # every sequence's, and None means a full cache.
+    dtype, d, capacity = torch.bfloat16, 128, 512
+    skip_unless_kvcache(family, dtype, d)
+    q = randn(2, 2, 8, d, dtype=dtype)
+    k_cache, v_cache = (randn(2, capacity, 8, d, dtype=dtype) for _ in range(2))
+    k, v = (randn(2, 2, 8, d, dtype=dtype) for _ in range(2))
+    cos, sin = rotary_tables(capacity, 128, dtype)
+    check_call(family, q, k_cache, v_cache, dtype, k=k, v=v, rotary_cos=cos, rotary_sin=sin,
+               cache_seqlens=200, causal=True,
+               cache_leftpad=torch.tensor([17, 150], dtype=torch.int32, device=DEVICE))
+    check_call(family, q, k_cache, v_cache, dtype)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -152,3 +170,7 @@ def test_paged_matches_contiguous(family, page):
     want = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, **common)
     got = flash_attn.flash_attn_with_kvcache(q, k_pool, v_pool, block_table=block_table, **common)
     assert torch.equal(got, want)
+    # The new rows went through block_table to the same values the contiguous call stored.
+    for b, n in enumerate(lengths.tolist()):
+        slot = block_table[b, n // page].long(), n % page
+        assert torch.equal(k_pool[slot], k_cache[b, n]) and torch.equal(v_pool[slot], v_cache[b, n])

@@ -199,6 +199,15 @@ def test_dropout_probs_are_per_sequence(varlen_ext):
                                torch.ones(HEADS, 5), atol=1e-2, rtol=0)
 
 
+def test_max_seqlen_as_a_0d_tensor(varlen_ext):
+    # transformers' packed-sequence path passes position_ids.max() + 1, a tensor, as 2.x allows.
+    q, k, v, cq, ck = packed([3, 4], [5, 6])
+    want = flash_attn.flash_attn_varlen_func(q, k, v, cq, ck, 4, 6)
+    got = flash_attn.flash_attn_varlen_func(q, k, v, cq, ck, torch.tensor(4), torch.tensor(6))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert varlen_ext.calls[-1][4:6] == (4, 6) and type(varlen_ext.calls[-1][4]) is int
+
+
 def test_empty_batch_and_no_keys(varlen_ext):
     q, k, v, cq, ck = packed([0, 0], [0, 3])
     out, lse, _ = flash_attn.flash_attn_varlen_func(q, k, v, cq, ck, 0, 3,

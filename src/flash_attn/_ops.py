@@ -437,7 +437,14 @@ def run_kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                     causal, window_left, window_right, softcap, rotary_interleaved,
                     alibi_slopes, num_splits, backend, tuning=""):
     """flash_attn::kvcache_fwd's computation (the op's and the eager path's). The caches are
-    written in place, so they are never copied: the extension takes their strides as given."""
+    written in place, so they are never copied: the extension takes their strides as given,
+    which must suit its 16-byte vector loads (checked here, where storage_offset() is usable)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if kernel_layout(t) is not t:
+            raise ValueError(f"{name} must start and step in 16-byte units (strides and storage "
+                             f"offset multiples of {_ALIGN} elements, last dim contiguous) to be "
+                             f"updated in place; got strides {t.stride()}, storage offset "
+                             f"{t.storage_offset()}")
     q = kernel_layout(q)
     k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, \
         alibi_slopes = (None if t is None else t.contiguous() for t in (

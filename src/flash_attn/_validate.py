@@ -16,6 +16,7 @@ never at tensor values, so ``torch.compile(fullgraph=True)`` traces them without
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -273,6 +274,15 @@ def validate_call(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
 # flash_attn 2.x.
 
 def check_max_seqlen(name: str, value) -> int:
+    """The int value of max_seqlen_q / _k. A 0-d integer tensor or a NumPy int is taken as
+    flash_attn 2.x takes it (transformers passes ``position_ids.max() + 1``): a tensor's value
+    costs one host sync, the caller's choice."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
+            and not value.is_complex() and value.dtype != torch.bool \
+            and not torch.compiler.is_compiling():
+        value = int(value)
+    elif not isinstance(value, (bool, torch.SymInt, torch.Tensor)) and hasattr(value, "__index__"):
+        value = operator.index(value)
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int (the longest sequence's length), got "
                         f"{type(value).__name__}")
@@ -398,6 +408,11 @@ def validate_kvcache_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
     if tuple(v_cache.shape) != tuple(k_cache.shape):
         raise ValueError(f"v_cache must have the shape of k_cache, {tuple(k_cache.shape)}, got "
                          f"{tuple(v_cache.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        # Written in place, so never copied into a layout the kernels read.
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (the cache is updated "
+                             f"in place, so it cannot be copied), got strides {t.stride()}")
     batch = q.shape[0]
     if paged:
         check_index_tensor("block_table", block_table, (batch, None),
@@ -421,6 +436,9 @@ def validate_kvcache_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
 
     if (k is None) != (v is None):
         raise ValueError("k and v (the new keys and values to append) must be given together")
+    if k is not None and cache_seqlens is None:
+        raise ValueError("cache_seqlens must be given with k and v: it says where in the cache "
+                         "the new keys and values go")
     if k is not None:
         for name, t in (("k", k), ("v", v)):
             check_is_tensor(name, t)
@@ -468,6 +486,7 @@ def validate_kvcache_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
         if rotary_cos.shape[0] < capacity:
             raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions; it needs one per "
                              f"cache position ({capacity})")
+        rotary_positions = rotary_cos.shape[0]
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
 
@@ -479,6 +498,16 @@ def validate_kvcache_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
         check_alibi(alibi_slopes.shape, alibi_slopes.dtype, alibi_slopes.device,
                     batch, shapes.nheads, q.device)
     causal, window = normalize_window(bool(causal), window, capacity)
+    if rotary_cos is not None and not isinstance(cache_seqlens, torch.Tensor):
+        # q is rotated at cache_seqlens (+ its row when causal or local). With a tensor of
+        # lengths this cannot be checked without reading it; the kernels clamp.
+        start = capacity - (0 if k is None else k.shape[1]) if cache_seqlens is None \
+            else cache_seqlens
+        last = start + (shapes.seqlen_q - 1 if causal or window != (-1, -1) else 0)
+        if last >= rotary_positions:
+            raise ValueError(f"q is rotated up to position {last} (cache_seqlens {start}"
+                             f"{f' + seqlen_q - 1' if last > start else ''}), past the "
+                             f"{rotary_positions} positions of rotary_cos / rotary_sin")
     features = call_features(causal, window, softcap, alibi_slopes is not None, 0.0,
                              shapes.nheads, shapes.nheads_k)
     features |= {"kvcache", "paged_kv"} if paged else {"kvcache"}

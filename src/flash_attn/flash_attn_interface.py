@@ -199,6 +199,8 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         q, k, v = (F.pad(t, [0, pad]) for t in (q, k, v))
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     window_left, window_right = call.window
+    # The validated ints (a 0-d tensor or NumPy int given for max_seqlen becomes an int).
+    max_seqlen_q, max_seqlen_k = call.shapes.seqlen_q, call.shapes.seqlen_k
     out, lse, rng_state = _ops.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
         block_table, softmax_scale, call.causal, window_left, window_right, softcap,
@@ -241,8 +243,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q: (total_q, nheads, headdim), the batch's query rows one sequence after another; k, v:
     (total_k, nheads_k, headdim). cu_seqlens_q / cu_seqlens_k: int32 (batch + 1,), the offset
     of each sequence's first row (0 first, total last); a sequence may be empty.
-    max_seqlen_q / max_seqlen_k: the longest sequence's length (an upper bound is fine; a
-    shorter one is an error the call cannot detect without reading cu_seqlens on the host).
+    max_seqlen_q / max_seqlen_k: the longest sequence's length (an int, or a 0-d integer
+    tensor at the cost of a host sync). A larger bound costs only idle blocks, except that a
+    window side >= max_seqlen_k counts as unbounded (2.x's rule); a smaller one is an error
+    the call cannot detect without reading cu_seqlens on the host.
     seqused_q / seqused_k (keyword-only, as FA3's): int32 (batch,), only that many rows of
     each sequence take part; the query rows past it come out 0 (and their lse +inf).
     block_table: int32 (batch, max_blocks_per_seq) with k, v a paged cache (num_blocks,

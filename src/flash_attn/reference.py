@@ -181,8 +181,9 @@ def attention_varlen_ref(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     paged cache ``(num_blocks, page_block_size, nheads_k, headdim)`` and key ``j`` of sequence
     ``b`` is row ``j % page_block_size`` of page ``block_table[b, j // page_block_size]``;
     cu_seqlens_k then only gives the lengths. Causal and window masks align bottom-right per
-    sequence. Query rows that do not take part (past seqused_q) are 0 with lse +inf, like rows
-    that see no key. ``alibi_slopes``: (nheads,) or (batch, nheads); ``dropout_mask``:
+    sequence; the window is taken literally (the API first makes a side >= max_seqlen_k
+    unbounded). Query rows that do not take part (past seqused_q) are 0 with lse +inf, like
+    rows that see no key. ``alibi_slopes``: (nheads,) or (batch, nheads); ``dropout_mask``:
     (batch, nheads, max_seqlen_q, max_seqlen_k), sequence b's in its top-left corner. The other
     keyword arguments are :func:`attention_ref`'s.
     """
@@ -307,6 +308,13 @@ def attention_kvcache_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor
         lengths = cache_seqlens.tolist()
     rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(batch))
     starts = cache_leftpad.tolist() if cache_leftpad is not None else [0] * batch
+    # 2.x's reading of the window: a side >= the cache's capacity is unbounded, and causal is
+    # the window (-1, 0); then "local" decides how q is rotated.
+    left, right = window_size[0], 0 if causal else window_size[1]
+    left, right = (-1 if w >= capacity else w for w in (left, right))
+    if left < 0 and right == 0:
+        causal, left, right = True, -1, -1
+    window_size = (left, right)
     local = window_size != (-1, -1)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
 
