@@ -26,6 +26,7 @@ pure-PyTorch ``flash_attn._C`` with the real one's functions), lets CPU tensors 
 device check and pretends the device is ``fake_ext.arch`` (80 unless a test changes it).
 """
 
+import dataclasses
 import functools
 import math
 import sys
@@ -407,6 +408,16 @@ def matrix_configs(families=None, archs_ok=True):
         rows.append((c.family, c.direction, c.dtype, c.hdim,
                      max(fam.min_arch, fam.dtype_min_arch[c.dtype])))
     return rows
+
+
+def give_features(monkeypatch, features, families=("fa2", "fa3")):
+    """Play a build whose ``families`` have ``features`` too (build_matrix.FAMILIES, patched for
+    the test), with dispatch's memo of decisions fresh for it and restored after it."""
+    for name in families:
+        fam = build_matrix.FAMILIES[name]
+        monkeypatch.setitem(build_matrix.FAMILIES, name,
+                            dataclasses.replace(fam, features=fam.features | set(features)))
+    monkeypatch.setattr(_dispatch, "_DECISIONS", {})
 
 
 @pytest.fixture

@@ -5,14 +5,14 @@ extension (tests/conftest.py) computing reference.attention_kvcache_ref in the k
 must say that no backend supports it.
 """
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
 import flash_attn
-from flash_attn import _dispatch, build_matrix, reference
+from flash_attn import reference
+from conftest import give_features
 
 B, H, HK, D = 3, 8, 2, 64
 CAPACITY = 40
@@ -20,13 +20,8 @@ CAPACITY = 40
 
 @pytest.fixture
 def kvcache_ext(fake_ext, monkeypatch):
-    for name in ("fa2", "fa3"):
-        fam = build_matrix.FAMILIES[name]
-        monkeypatch.setitem(build_matrix.FAMILIES, name, dataclasses.replace(
-            fam, features=fam.features | {"kvcache", "paged_kv"}))
-    _dispatch._DECISIONS.clear()
-    yield fake_ext
-    _dispatch._DECISIONS.clear()
+    give_features(monkeypatch, {"kvcache", "paged_kv"})
+    return fake_ext
 
 
 def gen(*shape, seed):

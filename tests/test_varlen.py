@@ -4,14 +4,14 @@ kernels' place. A build whose families lack the "varlen" feature must say so; th
 ``varlen_ext`` fixture plays a build whose fa2 and fa3 have it.
 """
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
 import flash_attn
-from flash_attn import _dispatch, build_matrix, reference
+from flash_attn import reference
+from conftest import give_features
 
 # Awkward lengths: empty, one row, around a 128-row tile, and a GQA group of 3.
 LENGTHS_Q = [0, 1, 127, 129, 5]
@@ -21,13 +21,8 @@ HEADS, HEADS_K = 6, 2
 
 @pytest.fixture
 def varlen_ext(fake_ext, monkeypatch):
-    for name in ("fa2", "fa3"):
-        fam = build_matrix.FAMILIES[name]
-        monkeypatch.setitem(build_matrix.FAMILIES, name, dataclasses.replace(
-            fam, features=fam.features | {"varlen", "paged_kv"}))
-    _dispatch._DECISIONS.clear()
-    yield fake_ext
-    _dispatch._DECISIONS.clear()
+    give_features(monkeypatch, {"varlen", "paged_kv"})
+    return fake_ext
 
 
 def cu(lengths):

@@ -229,6 +229,14 @@ class _Attention(torch.autograd.Function):
         return _backward_with(run_bwd, ctx, dout)
 
 
+def _needs_registered_op(tensors) -> bool:
+    """Whether something must see through the call, so that the registered op runs rather
+    than the direct path: torch.compile, fake or wrapped tensors, functorch transforms."""
+    return (torch.compiler.is_compiling()
+            or any(t is not None and type(t) is not torch.Tensor for t in tensors)
+            or torch._C._are_functorch_transforms_active())
+
+
 def attention(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
               dropout_p, deterministic, backend, tuning=""):
     """(out, lse, rng_state) with autograd, as ``torch.ops.flash_attn.fwd``. The registered op
@@ -236,9 +244,7 @@ def attention(q, k, v, softmax_scale, causal, window_left, window_right, softcap
     functorch transforms); plain eager calls take the direct path."""
     args = (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
             dropout_p, deterministic, backend, tuning)
-    if (torch.compiler.is_compiling() or type(q) is not torch.Tensor
-            or type(k) is not torch.Tensor or type(v) is not torch.Tensor
-            or torch._C._are_functorch_transforms_active()):
+    if _needs_registered_op((q, k, v)):
         return torch.ops.flash_attn.fwd(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(*args)
@@ -399,9 +405,7 @@ def varlen_attention(*args):
     """(out, lse, rng_state) with autograd, as ``torch.ops.flash_attn.varlen_fwd(*args)``; the
     registered op where something must see through the call, as ``attention``."""
     q, k, v = args[:3]
-    if (torch.compiler.is_compiling() or type(q) is not torch.Tensor
-            or type(k) is not torch.Tensor or type(v) is not torch.Tensor
-            or torch._C._are_functorch_transforms_active()):
+    if _needs_registered_op((q, k, v)):
         return torch.ops.flash_attn.varlen_fwd(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _VarlenAttention.apply(*args)
@@ -469,9 +473,7 @@ def _kvcache_fwd_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
 def kvcache_attention(*args):
     """(out, lse) as ``torch.ops.flash_attn.kvcache_fwd(*args)``, which runs where something
     must see through the call (``attention``'s rule); plain eager calls skip its dispatch."""
-    if torch.compiler.is_compiling() or any(
-            isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in args) or \
-            torch._C._are_functorch_transforms_active():
+    if _needs_registered_op([t for t in args if isinstance(t, torch.Tensor)]):
         return torch.ops.flash_attn.kvcache_fwd(*args)
     return run_kvcache_fwd(*args)
 

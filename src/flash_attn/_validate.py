@@ -253,6 +253,16 @@ def validate_call(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     check_same_dtype(names, [t.dtype for t in tensors])
     shapes = check_shapes(q.shape, k.shape, v.shape, names)
 
+    return call_options(shapes, dtype, q.device, dropout_p=dropout_p,
+                        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap, alibi_slopes=alibi_slopes)
+
+
+def call_options(shapes: Shapes, dtype: str, q_device: torch.device, *, dropout_p, softmax_scale,
+                 causal, window_size, softcap, alibi_slopes, extra=frozenset()) -> Call:
+    """The checks of the options every entry point shares, and the Call they make with
+    ``shapes`` (whose seqlen_k bounds the window: the longest sequence's, or the cache's
+    capacity). ``extra``: features beyond the options' (varlen, paged_kv, kvcache)."""
     check_dropout(dropout_p)
     scale = resolve_softmax_scale(softmax_scale, shapes.head_dim)
     window = check_window(window_size)
@@ -260,12 +270,12 @@ def validate_call(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     if alibi_slopes is not None:
         check_is_tensor("alibi_slopes", alibi_slopes)
         check_alibi(alibi_slopes.shape, alibi_slopes.dtype, alibi_slopes.device,
-                    shapes.batch, shapes.nheads, q.device)
-
+                    shapes.batch, shapes.nheads, q_device)
+    # A window side as long as seqlen_k is unlimited (for every sequence, when it is the max).
     causal, window = normalize_window(bool(causal), window, shapes.seqlen_k)
     features = call_features(causal, window, softcap, alibi_slopes is not None, dropout_p,
                              shapes.nheads, shapes.nheads_k)
-    return Call(shapes, dtype, scale, causal, window, features)
+    return Call(shapes, dtype, scale, causal, window, frozenset(features | extra))
 
 
 # ---- variable-length batches ------------------------------------------------------------------
@@ -359,21 +369,10 @@ def validate_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                              f"{pages} pages of {page_size} keys hold")
     shapes = Shapes(batch, max_seqlen_q, max_seqlen_k, shapes.nheads, shapes.nheads_k,
                     shapes.head_dim)
-
-    check_dropout(dropout_p)
-    scale = resolve_softmax_scale(softmax_scale, shapes.head_dim)
-    window = check_window(window_size)
-    check_softcap(softcap)
-    if alibi_slopes is not None:
-        check_is_tensor("alibi_slopes", alibi_slopes)
-        check_alibi(alibi_slopes.shape, alibi_slopes.dtype, alibi_slopes.device,
-                    batch, shapes.nheads, q.device)
-    # A window side as long as the longest sequence is unlimited for every sequence.
-    causal, window = normalize_window(bool(causal), window, max_seqlen_k)
-    features = call_features(causal, window, softcap, alibi_slopes is not None, dropout_p,
-                             shapes.nheads, shapes.nheads_k)
-    features |= {"varlen", "paged_kv"} if paged else {"varlen"}
-    return Call(shapes, dtype, scale, causal, window, frozenset(features))
+    return call_options(shapes, dtype, q.device, dropout_p=dropout_p,
+                        softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                        softcap=softcap, alibi_slopes=alibi_slopes,
+                        extra={"varlen", "paged_kv"} if paged else {"varlen"})
 
 
 # ---- the KV cache -----------------------------------------------------------------------------
@@ -490,25 +489,18 @@ def validate_kvcache_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
 
-    scale = resolve_softmax_scale(softmax_scale, shapes.head_dim)
-    window = check_window(window_size)
-    check_softcap(softcap)
-    if alibi_slopes is not None:
-        check_is_tensor("alibi_slopes", alibi_slopes)
-        check_alibi(alibi_slopes.shape, alibi_slopes.dtype, alibi_slopes.device,
-                    batch, shapes.nheads, q.device)
-    causal, window = normalize_window(bool(causal), window, capacity)
+    call = call_options(shapes, dtype, q.device, dropout_p=0.0, softmax_scale=softmax_scale,
+                        causal=causal, window_size=window_size, softcap=softcap,
+                        alibi_slopes=alibi_slopes,
+                        extra={"kvcache", "paged_kv"} if paged else {"kvcache"})
     if rotary_cos is not None and not isinstance(cache_seqlens, torch.Tensor):
         # q is rotated at cache_seqlens (+ its row when causal or local). With a tensor of
         # lengths this cannot be checked without reading it; the kernels clamp.
         start = capacity - (0 if k is None else k.shape[1]) if cache_seqlens is None \
             else cache_seqlens
-        last = start + (shapes.seqlen_q - 1 if causal or window != (-1, -1) else 0)
+        last = start + (shapes.seqlen_q - 1 if call.causal or call.window != (-1, -1) else 0)
         if last >= rotary_positions:
             raise ValueError(f"q is rotated up to position {last} (cache_seqlens {start}"
                              f"{f' + seqlen_q - 1' if last > start else ''}), past the "
                              f"{rotary_positions} positions of rotary_cos / rotary_sin")
-    features = call_features(causal, window, softcap, alibi_slopes is not None, 0.0,
-                             shapes.nheads, shapes.nheads_k)
-    features |= {"kvcache", "paged_kv"} if paged else {"kvcache"}
-    return Call(shapes, dtype, scale, causal, window, frozenset(features))
+    return call

@@ -24,6 +24,28 @@ import torch.nn.functional as F
 from . import _dispatch, _ops, _validate, reference
 
 
+def _positive_scale(q, softmax_scale):
+    """(q, scale) with scale > 0. The kernels take the row max of raw q.k and exponentiate
+    (q.k - max) * scale, which needs scale > 0. logits = (q * sign) . k * |scale| is the same
+    attention, and autograd carries the sign back to dq; scale 0 (uniform attention) becomes
+    q * 0 with scale 1. Rare, so the copy of q it costs does not matter."""
+    if softmax_scale > 0:
+        return q, softmax_scale
+    return (q * (-1.0 if softmax_scale < 0 else 0.0),
+            -softmax_scale if softmax_scale < 0 else 1.0)
+
+
+def _kernel_inputs(q, k, v, head_dim):
+    """q, k, v as the ops take them: the head dim padded with zeros to a multiple of 8 (the
+    kernels move rows in 16-byte vectors; the caller narrows out back), and, as flash_attn
+    2.x does, a non-contiguous last dim copied rather than refused. Done before the op, so the
+    op saves the copy for backward instead of copying again there."""
+    pad = -head_dim % 8
+    if pad:
+        q, k, v = (F.pad(t, [0, pad]) for t in (q, k, v))
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, backend, names, tuning=None):
     call = _validate.validate_call(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
@@ -36,27 +58,14 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.contiguous()
     q_in, k_in = q, k
-    softmax_scale = call.softmax_scale
-    if softmax_scale <= 0:
-        # The kernels take the row max of raw q.k and exponentiate (q.k - max) * scale, which
-        # needs scale > 0. logits = (q * sign) . k * |scale| is the same attention, and
-        # autograd carries the sign back to dq; scale 0 (uniform attention) becomes q * 0 with
-        # scale 1. Rare, so the copy of q it costs does not matter.
-        q = q * (-1.0 if softmax_scale < 0 else 0.0)
-        softmax_scale = -softmax_scale if softmax_scale < 0 else 1.0
-
+    q, softmax_scale = _positive_scale(q, call.softmax_scale)
     head_dim = call.shapes.head_dim
-    pad = -head_dim % 8
-    if pad:
-        q, k, v = (F.pad(t, [0, pad]) for t in (q, k, v))
-    # As flash_attn 2.x: a non-contiguous last dim is copied, not an error. Done here, before
-    # the op, so the op saves the copy for backward instead of copying again there.
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = _kernel_inputs(q, k, v, head_dim)
     window_left, window_right = call.window
     out, lse, rng_state = _ops.attention(
         q, k, v, softmax_scale, call.causal, window_left, window_right, softcap,
         alibi_slopes, dropout_p, bool(deterministic), family, _ops.tuning_text(tuning))
-    if pad:
+    if out.shape[-1] != head_dim:
         out = out.narrow(-1, 0, head_dim)
     if not return_attn_probs:
         return out
@@ -189,15 +198,9 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     family = _dispatch.select(call, q.device, backend, need_bwd)
     softcap, dropout_p = softcap * 1.0, dropout_p * 1.0
     q_in, k_in = q, k
-    softmax_scale = call.softmax_scale
-    if softmax_scale <= 0:  # as in _attention: the kernels need scale > 0
-        q = q * (-1.0 if softmax_scale < 0 else 0.0)
-        softmax_scale = -softmax_scale if softmax_scale < 0 else 1.0
+    q, softmax_scale = _positive_scale(q, call.softmax_scale)
     head_dim = call.shapes.head_dim
-    pad = -head_dim % 8
-    if pad:
-        q, k, v = (F.pad(t, [0, pad]) for t in (q, k, v))
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = _kernel_inputs(q, k, v, head_dim)
     window_left, window_right = call.window
     # The validated ints (a 0-d tensor or NumPy int given for max_seqlen becomes an int).
     max_seqlen_q, max_seqlen_k = call.shapes.seqlen_q, call.shapes.seqlen_k
@@ -205,7 +208,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
         block_table, softmax_scale, call.causal, window_left, window_right, softcap,
         alibi_slopes, dropout_p, bool(deterministic), family, "")
-    if pad:
+    if out.shape[-1] != head_dim:
         out = out.narrow(-1, 0, head_dim)
     if not return_attn_probs:
         return out
@@ -335,10 +338,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, alibi_slopes,
         num_splits)
     family = _dispatch.select(call, q.device, backend, False)
-    softmax_scale = call.softmax_scale
-    if softmax_scale <= 0:  # as in _attention: the kernels need scale > 0
-        q = q * (-1.0 if softmax_scale < 0 else 0.0)
-        softmax_scale = -softmax_scale if softmax_scale < 0 else 1.0
+    q, softmax_scale = _positive_scale(q, call.softmax_scale)
     if call.shapes.head_dim % 8:
         # The kernels read rows in 16-byte vectors and the cache is written in place, so it
         # cannot be padded here as q, k, v are elsewhere.
