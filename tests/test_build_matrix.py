@@ -206,7 +206,7 @@ def test_fa2_entry():
     assert (f.min_arch, dict(f.dtype_min_arch)) == (80, {"fp16": 80, "bf16": 80})
     assert f.hdims == (32, 64, 96, 128, 192, 256)
     assert f.directions == ("fwd", "bwd")
-    assert f.features == set(_validate.FEATURES) - {"varlen", "paged_kv", "kvcache"}
+    assert f.features == set(_validate.FEATURES) - {"paged_kv", "kvcache"}
 
 
 def test_sm75_in_the_targets_with_fa2():
@@ -300,7 +300,7 @@ def test_fa3_entry():
     assert (f.min_arch, f.max_arch, dict(f.dtype_min_arch)) == (90, 90, {"fp16": 90, "bf16": 90})
     assert f.hdims == (64, 96, 128, 192, 256)
     assert f.directions == ("fwd",)
-    assert f.features == set(_validate.FEATURES) - {"dropout", "varlen", "paged_kv", "kvcache"}
+    assert f.features == set(_validate.FEATURES) - {"dropout", "paged_kv", "kvcache"}
     assert f.bwd_family == "fa2"
     assert M.arch_code(f.max_arch) == "90a"    # its kernels need the arch-specific machine code
     assert M.PREFERENCE[0] == "fa3"

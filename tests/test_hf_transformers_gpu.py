@@ -46,11 +46,16 @@ def test_llama_padded_batch_matches_sdpa():
     mask = torch.zeros(batch, longest, dtype=torch.long, device="cuda")
     for b, n in enumerate(lengths):
         mask[b, longest - n:] = 1
+    # Labels on the real tokens but the first of each sequence: its prediction comes from the
+    # padding before it, whose attention output the two paths define differently (SDPA lets a
+    # padded row attend to every key; flash_attention_2 unpads it, so it is zero).
+    labels = input_ids.masked_fill(mask == 0, -100)
+    for b, n in enumerate(lengths):
+        labels[b, longest - n] = -100
     results = {}
     for impl in ("sdpa", "flash_attention_2"):
         model = _model(impl)
-        out = model(input_ids=input_ids, attention_mask=mask, labels=input_ids.masked_fill(
-            mask == 0, -100))
+        out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
         out.loss.backward()
         grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
         results[impl] = (out.logits.float(), out.loss.float(), grads)

@@ -4,13 +4,14 @@ kernels' place. A build whose families lack the "varlen" feature must say so; th
 ``varlen_ext`` fixture plays a build whose fa2 and fa3 have it.
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import flash_attn
-from flash_attn import reference
+from flash_attn import _dispatch, build_matrix, reference
 from conftest import give_features
 
 # Awkward lengths: empty, one row, around a 128-row tile, and a GQA group of 3.
@@ -52,7 +53,11 @@ def per_sequence(fn, q, k, v, lengths_q, lengths_k):
 
 # ---- a build without varlen kernels -----------------------------------------------------------
 
-def test_without_varlen_kernels_the_call_says_so(fake_ext):
+def test_without_varlen_kernels_the_call_says_so(fake_ext, monkeypatch):
+    for name, fam in list(build_matrix.FAMILIES.items()):
+        monkeypatch.setitem(build_matrix.FAMILIES, name, dataclasses.replace(
+            fam, features=fam.features - {"varlen"}))
+    monkeypatch.setattr(_dispatch, "_DECISIONS", {})
     q, k, v, cq, ck = packed([3, 4], [5, 6])
     with pytest.raises(NotImplementedError, match=r"No backend in this version supports "
                                                   r"variable-length batches \(cu_seqlens\)"):

@@ -8,7 +8,7 @@ the rows a call must not read (past seqused_k, in a paged cache's unused slots, 
 sequences of a seqused batch) never reaches an output or a gradient; a batch of equal lengths
 gives flash_attn_func's result bit for bit; paged and contiguous K/V agree bit for bit.
 
-A family without the feature skips, saying so: today none has it (issue 34 adds the kernels).
+A family without the feature skips, saying so (paged K/V: none has it yet).
 """
 
 import math
@@ -105,6 +105,29 @@ def test_ragged(family, d, causal, dtype):
     check_varlen(family, *RAGGED, 6, 2, d, dtype, causal=causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [40, 64, 96, 128, 160, 192, 256])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_every_head_dim(family, d, causal):
+    """The forward alone at every kernel head dim (and two padded ones): the kernels that hold O
+    differently (fa3's staged store at 256) meet the packed layout here."""
+    dtype = torch.bfloat16
+    skip_unless_varlen(family, dtype, d)
+    lengths_q, lengths_k = [1, 130, 0, 257], [300, 7, 5, 257]
+    inputs = ragged(lengths_q, lengths_k, 4, 2, d, dtype)
+    cq, ck = cu(lengths_q), cu(lengths_k)
+    poison_allocator()
+    with torch.no_grad():
+        out, lse, _ = flash_attn.flash_attn_varlen_func(*inputs, cq, ck, max(lengths_q),
+                                                   max(lengths_k), causal=causal,
+                                                   return_attn_probs=True, backend=family)
+    truth, truth_lse = reference.attention_varlen_ref(
+        *(t.double() for t in inputs), cq, ck, causal=causal, upcast=True, return_lse=True)
+    lowp = reference.attention_varlen_ref(*inputs, cq, ck, causal=causal, upcast=False)
+    assert_rule("out", out, lowp, truth, 2, dtype)
+    assert_lse(lse, truth_lse)
+
+
 @pytest.mark.parametrize("attn", [
     pytest.param(dict(window_size=(33, 7)), id="window"),
     pytest.param(dict(softcap=5.0, causal=True), id="softcap"),
@@ -123,6 +146,27 @@ def test_features(family, attn):
         attn["alibi_slopes"] = (base * (0.5 + torch.rand(len(RAGGED[0]), 7,
                                                           device=DEVICE))).float()
     check_varlen(family, *RAGGED, 7, 7, d, dtype, **attn)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deterministic_backward(family):
+    """deterministic=True on a ragged batch: the rule, and five runs equal bit for bit (the
+    turns of the dQ adds skip the key tiles past a shorter sequence)."""
+    dtype, d = torch.bfloat16, 128
+    skip_unless_varlen(family, dtype, d, ("fwd", "bwd"))
+    lengths_q, lengths_k = RAGGED
+    inputs = ragged(lengths_q, lengths_k, 6, 2, d, dtype)
+    cq, ck = cu(lengths_q), cu(lengths_k)
+    dout = randn(sum(lengths_q), 6, d, dtype=dtype)
+    runs = [varlen_result(inputs, cq, ck, max(lengths_q), max(lengths_k), dout, family,
+                          causal=True, deterministic=True) for _ in range(5)]
+    truth = reference_result(inputs, cq, ck, dout, True, causal=True)
+    lowp = reference_result(inputs, cq, ck, dout, False, causal=True)
+    for name, g, g_lowp, g_truth in zip("qkv", runs[0].grads, lowp.grads, truth.grads):
+        assert_rule(f"d{name}", g, g_lowp, g_truth, 3, dtype)
+    for run in runs[1:]:
+        for name, g, g0 in zip("qkv", run.grads, runs[0].grads):
+            assert torch.equal(g, g0), f"d{name} differs bitwise between deterministic runs"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

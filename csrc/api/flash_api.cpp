@@ -231,7 +231,7 @@ void check_dropout_p(double dropout_p) {
 }
 
 void set_alibi(flash::FwdParams& p, const std::optional<at::Tensor>& alibi_slopes,
-               const at::Tensor& q) {
+               const at::Tensor& q, int64_t batch, int64_t heads) {
   if (!alibi_slopes.has_value() || !alibi_slopes->defined()) return;
   const at::Tensor& s = *alibi_slopes;
   TORCH_CHECK(s.is_cuda() && s.device() == q.device(), "flash_attn: alibi_slopes is on ",
@@ -239,14 +239,17 @@ void set_alibi(flash::FwdParams& p, const std::optional<at::Tensor>& alibi_slope
   TORCH_CHECK(s.scalar_type() == at::kFloat, "flash_attn: alibi_slopes must be float32, got ",
               s.scalar_type());
   TORCH_CHECK(s.is_contiguous(), "flash_attn: alibi_slopes must be contiguous");
-  const bool per_head = s.dim() == 1 && s.size(0) == q.size(2);
-  const bool per_batch = s.dim() == 2 && s.size(0) == q.size(0) && s.size(1) == q.size(2);
-  TORCH_CHECK(per_head || per_batch, "flash_attn: alibi_slopes must be (heads,) = (", num(q.size(2)),
-              ",) or (batch, heads) = (", num(q.size(0)), ", ", num(q.size(2)), "), got ",
+  const bool per_head = s.dim() == 1 && s.size(0) == heads;
+  const bool per_batch = s.dim() == 2 && s.size(0) == batch && s.size(1) == heads;
+  TORCH_CHECK(per_head || per_batch, "flash_attn: alibi_slopes must be (heads,) = (", num(heads),
+              ",) or (batch, heads) = (", num(batch), ", ", num(heads), "), got ",
               shape(s.sizes()));
   p.alibi_slopes = s.data_ptr<float>();
   p.alibi_batch_stride = per_batch ? s.stride(0) : 0;
 }
+
+void fill_options(flash::FwdParams& p, const at::Tensor& q, double softmax_scale,
+                  const Features& f);
 
 void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& out, const at::Tensor& lse, double softmax_scale,
@@ -266,7 +269,13 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
   p.head_dim = int(q.size(3));
   p.seqlen_k = int(k.size(1));
   p.heads_k = int(k.size(2));
+  fill_options(p, q, softmax_scale, f);
+}
 
+// What fill_fwd sets besides pointers and shapes: scale, softcap, window, ALiBi, dropout and
+// the device's attributes. p.batch and p.heads must be set.
+void fill_options(flash::FwdParams& p, const at::Tensor& q, double softmax_scale,
+                  const Features& f) {
   // Scores and softcap: the exp2-domain convention of common/params.h.
   TORCH_CHECK(std::isfinite(f.softcap) && f.softcap >= 0.0,
               "flash_attn: softcap must be 0 (off) or a finite positive number, got ", num(f.softcap));
@@ -290,7 +299,7 @@ void fill_fwd(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
   p.window_right = f.causal ? 0 : int(f.window_right);
   p.causal = p.window_left < 0 && p.window_right == 0;
 
-  set_alibi(p, f.alibi_slopes, q);
+  set_alibi(p, f.alibi_slopes, q, p.batch, p.heads);
 
   check_dropout_p(f.dropout_p);
   p.dropout_p = float(f.dropout_p);
@@ -491,6 +500,203 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   kernel.bwd(p, kernel.hdim, parse_tuning(tuning), q);
 }
 
+// ---- variable-length batches (flash_attn/_ops.py run_varlen_fwd) ------------------------------
+
+void check_packed_like(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), "flash_attn: ", name, " is on ",
+              t.device().str(), " but q is on ", q.device().str());
+  TORCH_CHECK(t.dim() == 3, "flash_attn: ", name, " must be (total, heads, headdim), got ",
+              shape(t.sizes()));
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flash_attn: ", name, " has dtype ",
+              t.scalar_type(), " but q has ", q.scalar_type());
+  TORCH_CHECK(t.stride(-1) == 1, "flash_attn: ", name, " must be contiguous in its last dim");
+  bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 2; ++d) aligned = aligned && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
+  TORCH_CHECK(aligned, "flash_attn: ", name,
+              " must be 16-byte aligned with strides that are multiples of 8, got strides ",
+              shape(t.strides()));
+}
+
+const int* index_ptr(const std::optional<at::Tensor>& t, const char* name, int64_t size,
+                     const at::Tensor& q) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->is_cuda() && t->device() == q.device() && t->scalar_type() == at::kInt &&
+                  t->dim() == 1 && t->size(0) == size && t->is_contiguous(),
+              "flash_attn: ", name, " must be a contiguous int32 CUDA tensor of shape (",
+              num(size), ",) on q's device, got ", t->scalar_type(), " ", shape(t->sizes()));
+  return t->data_ptr<int>();
+}
+
+// q (total_q, heads, hdim), k / v (total_k, heads_k, hdim); sequence b's rows start at
+// cu_seqlens[b] (common/params.h); out like q, lse (heads, total_q). Paged K/V is not in the
+// kernels yet.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& seqused_q,
+    const std::optional<at::Tensor>& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& out_arg,
+    const std::optional<at::Tensor>& lse_arg, const std::optional<at::Tensor>& rng_state_arg,
+    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+    const std::string& family, const std::string& tuning) {
+  check_packed_like(q, "q", q);
+  check_packed_like(k, "k", q);
+  check_packed_like(v, "v", q);
+  TORCH_CHECK(!block_table.has_value() || !block_table->defined(),
+              "flash_attn: paged K/V (block_table) is not in this build's kernels");
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == q.size(2) && q.size(2) % 8 == 0 &&
+                  k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "flash_attn: q ", shape(q.sizes()), ", k ", shape(k.sizes()), ", v ",
+              shape(v.sizes()), " do not fit together");
+  const int64_t batch = cu_seqlens_q.size(0) - 1;
+  TORCH_CHECK(batch >= 1, "flash_attn: cu_seqlens_q must hold batch + 1 >= 2 offsets");
+  const int* cu_q = index_ptr(cu_seqlens_q, "cu_seqlens_q", batch + 1, q);
+  const int* cu_k = index_ptr(cu_seqlens_k, "cu_seqlens_k", batch + 1, q);
+  constexpr int64_t kMaxSeqlen = std::numeric_limits<int>::max() - 1024;
+  TORCH_CHECK(max_seqlen_q >= 0 && max_seqlen_k >= 0 && max_seqlen_q <= kMaxSeqlen &&
+                  max_seqlen_k <= kMaxSeqlen && q.size(0) <= kMaxSeqlen && k.size(0) <= kMaxSeqlen,
+              "flash_attn: max_seqlen_q / max_seqlen_k and the totals must be in [0, ",
+              num(kMaxSeqlen), "]");
+  at::Tensor out = out_arg ? *out_arg : at::empty(q.sizes(), q.options());
+  at::Tensor lse = lse_arg ? *lse_arg
+                           : at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  at::Tensor rng_state =
+      rng_state_arg ? *rng_state_arg : at::empty({2}, q.options().dtype(at::kLong));
+  check_packed_like(out, "out", q);
+  TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn: out must have q's shape");
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
+                  lse.is_contiguous() && lse.sizes() == at::IntArrayRef({q.size(1), q.size(0)}),
+              "flash_attn: lse must be contiguous float32 (heads, total_q)");
+  check_rng_state(rng_state, q);
+  const auto result = std::make_tuple(out, lse, rng_state);
+  if (q.size(0) == 0 || max_seqlen_q == 0 || k.size(0) == 0 || max_seqlen_k == 0) {
+    rng_state.zero_();
+    out.zero_();
+    lse.fill_(std::numeric_limits<float>::infinity());
+    return result;
+  }
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Kernel& kernel =
+      find_kernel(family, "fwd", dtype_name(q), int(q.size(2)), device_info(q).arch);
+
+  flash::FwdParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.q_strides = {0, q.stride(0), q.stride(1)};
+  p.k_strides = {0, k.stride(0), k.stride(1)};
+  p.v_strides = {0, v.stride(0), v.stride(1)};
+  p.o_strides = {0, out.stride(0), out.stride(1)};
+  p.batch = int(batch);
+  p.seqlen_q = int(max_seqlen_q);
+  p.seqlen_k = int(max_seqlen_k);
+  p.heads = int(q.size(1));
+  p.head_dim = int(q.size(2));
+  p.heads_k = int(k.size(1));
+  p.cu_seqlens_q = cu_q;
+  p.cu_seqlens_k = cu_k;
+  p.seqused_q = index_ptr(seqused_q, "seqused_q", batch, q);
+  p.seqused_k = index_ptr(seqused_k, "seqused_k", batch, q);
+  p.total_q = int(q.size(0));
+  p.total_k = int(k.size(0));
+  fill_options(p, q, softmax_scale,
+               {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
+  p.rng_state = rng_state.data_ptr<int64_t>();
+  if (p.dropout_p > 0.f) take_philox(p, q);
+  if (p.dropout_p == 0.f && family != "fa3") rng_state.zero_();  // as fwd's
+  kernel.fwd(p, kernel.hdim, parse_tuning(tuning), q);
+  return result;
+}
+
+// The gradient of varlen_fwd: dq like q, dk / dv like k (rows past seqused get zeros).
+void varlen_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                const at::Tensor& rng_state, const at::Tensor& cu_seqlens_q,
+                const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& seqused_q,
+                const std::optional<at::Tensor>& seqused_k, int64_t max_seqlen_q,
+                int64_t max_seqlen_k, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
+                int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+                bool deterministic, const std::string& family, const std::string& tuning) {
+  check_packed_like(q, "q", q);
+  check_packed_like(k, "k", q);
+  check_packed_like(v, "v", q);
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{out, "out"},
+                                {dout, "dout"}, {dq, "dq"}}) {
+    check_packed_like(t, name, q);
+    TORCH_CHECK(t.sizes() == q.sizes(), "flash_attn: ", name, " must have q's shape");
+  }
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{dk, "dk"}, {dv, "dv"}}) {
+    check_packed_like(t, name, q);
+    TORCH_CHECK(t.sizes() == k.sizes(), "flash_attn: ", name, " must have k's shape");
+  }
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == q.size(2) && q.size(2) % 8 == 0 &&
+                  k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "flash_attn: q ", shape(q.sizes()), ", k ", shape(k.sizes()), ", v ",
+              shape(v.sizes()), " do not fit together");
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
+                  lse.is_contiguous() && lse.sizes() == at::IntArrayRef({q.size(1), q.size(0)}),
+              "flash_attn: lse must be contiguous float32 (heads, total_q)");
+  check_rng_state(rng_state, q);
+  const int64_t batch = cu_seqlens_q.size(0) - 1;
+  TORCH_CHECK(batch >= 1, "flash_attn: cu_seqlens_q must hold batch + 1 >= 2 offsets");
+  const int* cu_q = index_ptr(cu_seqlens_q, "cu_seqlens_q", batch + 1, q);
+  const int* cu_k = index_ptr(cu_seqlens_k, "cu_seqlens_k", batch + 1, q);
+  if (q.size(0) == 0 || k.size(0) == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Kernel& kernel =
+      find_kernel(family, "bwd", dtype_name(q), int(q.size(2)), device_info(q).arch);
+
+  flash::BwdParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.q_strides = {0, q.stride(0), q.stride(1)};
+  p.k_strides = {0, k.stride(0), k.stride(1)};
+  p.v_strides = {0, v.stride(0), v.stride(1)};
+  p.o_strides = {0, out.stride(0), out.stride(1)};
+  p.batch = int(batch);
+  p.seqlen_q = int(max_seqlen_q);
+  p.seqlen_k = int(max_seqlen_k);
+  p.heads = int(q.size(1));
+  p.head_dim = int(q.size(2));
+  p.heads_k = int(k.size(1));
+  p.cu_seqlens_q = cu_q;
+  p.cu_seqlens_k = cu_k;
+  p.seqused_q = index_ptr(seqused_q, "seqused_q", batch, q);
+  p.seqused_k = index_ptr(seqused_k, "seqused_k", batch, q);
+  p.total_q = int(q.size(0));
+  p.total_k = int(k.size(0));
+  fill_options(p, q, softmax_scale,
+               {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
+  p.dout = dout.data_ptr();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.do_strides = {0, dout.stride(0), dout.stride(1)};
+  p.dq_strides = {0, dq.stride(0), dq.stride(1)};
+  p.dk_strides = {0, dk.stride(0), dk.stride(1)};
+  p.dv_strides = {0, dv.stride(0), dv.stride(1)};
+  p.deterministic = deterministic;
+  int64_t* state = rng_state.data_ptr<int64_t>();
+  p.rng_state = state;
+  if (p.dropout_p > 0.f) {
+    p.philox.seed_ptr = state;
+    p.philox.offset_ptr = state + 1;
+    p.philox.offset_intragraph = 0;
+  }
+  kernel.bwd(p, kernel.hdim, parse_tuning(tuning), q);
+}
+
 // The keep-mask of the forward that wrote rng_state, for return_attn_probs and the tests:
 // (batch, heads, seqlen_q, seqlen_k) bool, True = kept. The same Philox draws as the kernels.
 at::Tensor dropout_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
@@ -546,6 +752,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("softmax_scale"), py::arg("causal"), py::arg("window_left"),
         py::arg("window_right"), py::arg("softcap"), py::arg("dropout_p"),
         py::arg("deterministic"), py::arg("family"), py::arg("tuning") = "");
+  m.def("varlen_fwd", &varlen_fwd,
+        "variable-length forward: (out, lse (heads, total_q), rng_state)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
+        py::arg("seqused_q"), py::arg("seqused_k"), py::arg("max_seqlen_q"),
+        py::arg("max_seqlen_k"), py::arg("block_table"), py::arg("out"), py::arg("lse"),
+        py::arg("rng_state"), py::arg("alibi_slopes"), py::arg("softmax_scale"),
+        py::arg("causal"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+        py::arg("dropout_p"), py::arg("family"), py::arg("tuning") = "");
+  m.def("varlen_bwd", &varlen_bwd, "variable-length backward: writes dq, dk, dv",
+        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+        py::arg("lse"), py::arg("rng_state"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"),
+        py::arg("seqused_q"), py::arg("seqused_k"), py::arg("max_seqlen_q"),
+        py::arg("max_seqlen_k"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+        py::arg("alibi_slopes"), py::arg("softmax_scale"), py::arg("causal"),
+        py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+        py::arg("dropout_p"), py::arg("deterministic"), py::arg("family"),
+        py::arg("tuning") = "");
   m.def("dropout_mask", &dropout_mask,
         "(batch, heads, seqlen_q, seqlen_k) bool keep-mask of the forward that wrote rng_state",
         py::arg("rng_state"), py::arg("batch"), py::arg("heads"), py::arg("seqlen_q"),

@@ -34,7 +34,16 @@ struct FwdParams {
   Strides q_strides, k_strides, v_strides, o_strides;
 
   int batch = 0, heads = 0, heads_k = 0;
-  int seqlen_q = 0, seqlen_k = 0;
+  int seqlen_q = 0, seqlen_k = 0;  // variable-length batches: the longest sequence's
+  // Variable-length batches (cu_seqlens_q set; nullptr: dense): q / k / v / o are (total, heads,
+  // head_dim) with Strides::batch 0, sequence b starts at row cu_seqlens_[b] and has
+  // cu_seqlens_[b + 1] - cu_seqlens_[b] rows, of which the first seqused_[b] (where given) take
+  // part; lse is (heads, total_q).
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  const int* seqused_q = nullptr;
+  const int* seqused_k = nullptr;
+  int total_q = 0, total_k = 0;  // variable-length: the packed tensors' rows
   int head_dim = 0;  // the real head dim (<= the kernel's kHeadDim)
 
   float softmax_scale = 0.f;       // applied to q.k

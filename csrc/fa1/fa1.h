@@ -27,6 +27,7 @@ inline const char* fwd_unsupported(const FwdParams& p) {
     return "fa1 supports causal and GQA only, not a window, softcap, ALiBi or dropout; fa2 "
            "runs them";
   }
+  if (p.cu_seqlens_q != nullptr) return "fa1 has no variable-length batches; fa2 runs them";
   return nullptr;
 }
 inline const char* bwd_unsupported(const BwdParams& p) { return fwd_unsupported(p); }

@@ -37,7 +37,7 @@ struct FwdPlan {
 };
 
 // Backward scratch, laid out by the launcher (fa2_bwd_launch.cuh), rows_pad = round_up(seqlen_q,
-// kRowPad):
+// kRowPad) (variable-length: of the longest sequence; each sequence has its rows_pad):
 //   dq_accum: fp32 (batch, heads, rows_pad, kernel_hdim) in m16n8 fragment order (fa2_bwd_dq.h)
 //   counters: int32 (batch, heads, rows_pad / kBwdMinBlockM), deterministic mode only: whose
 //             turn it is to add into each query tile of dq_accum

@@ -196,7 +196,8 @@ __global__ void __launch_bounds__(kDqConvertThreads) bwd_convert_dq_kernel(const
     for (int i = threadIdx.x; i < kVectors; i += kDqConvertThreads) {
       const int r = i / (kHeadDim / 8), c = i % (kHeadDim / 8) * 8;
       const int row = row0 + r;
-      if (row < seq.seqlen_q(p) && c < p.head_dim) {
+      // Rows past seqused_q (variable-length) got no adds: their zeros are written too.
+      if (row < seq.rows_q(p) && c < p.head_dim) {
         *reinterpret_cast<uint4*>(dq_head + row * p.dq_strides.row + c) =
             *reinterpret_cast<const uint4*>(&tile[r * kPitch + c]);
       }

@@ -157,6 +157,12 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
 
   const Mask mask(p, seq);
   const QueryTiles tiles = query_tiles<kBlockM, kBlockN>(mask, n_block);
+  // Row 0 of the sequence in head 0 of q, dO and the lse, read once: a variable-length batch's
+  // start and length live in cu_seqlens / seqused, and the query loop below would otherwise
+  // re-read them (a branch and global loads) before every tile's copies. Head h's rows are
+  // h strides further on; the length is the mask's.
+  const int64_t q_row0 = seq.q_offset(p, 0), do_row0 = seq.do_offset(p, 0);
+  const int64_t lse_row0 = seq.lse_offset(p, 0), lse_head = seq.lse_head_stride(p);
 
   // ---- shared memory: Q (kQStages buffers), dO (kdOStages), K, V, Z, dS ------------------
   Element* smem_q = reinterpret_cast<Element*>(smem);
@@ -203,7 +209,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
     Tensor sX = make_tensor(make_smem_ptr(dst), typename Tr::SmemQ{});             // (BM, hdim)
     Tensor tXgX = gmem_thr.partition_S(gX);  // (CPY, CPY_M, CPY_K)
     Tensor tXsX = gmem_thr.partition_D(sX);
-    const int valid = seq.seqlen_q(p) - m_block * kBlockM;
+    const int valid = mask.seqlen_q - m_block * kBlockM;
     if (valid < kBlockM) {
       copy_tile<true>(gmem_load, tXgX, tXsX, tQcQ, valid, p.head_dim);
     } else {
@@ -215,8 +221,8 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   auto load_row_stats = [&](int head, int m_block, int stage) {
     if (tid < kBlockM) {
       const int row = m_block * kBlockM + tid;
-      const bool in_range = row < seq.seqlen_q(p);
-      cp_async_4(lse_buffer(stage) + tid, p.lse + seq.lse_offset(p, head) + (in_range ? row : 0),
+      const bool in_range = row < mask.seqlen_q;
+      cp_async_4(lse_buffer(stage) + tid, p.lse + lse_row0 + head * lse_head + (in_range ? row : 0),
                  in_range ? 4 : 0);
       cp_async_4(dsum_buffer(stage) + tid, p.dsum + seq.scratch_row0<kRowPad>(p, head) + row, 4);
     }
@@ -293,8 +299,9 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
       Tensor tVsV = gmem_thr.partition_D(sV);
       copy_tile<true>(gmem_load, tKgK, tKsK, tKcK, keys_valid, p.head_dim);
       copy_tile<true>(gmem_load, tVgV, tVsV, tKcK, keys_valid, p.head_dim);
-      load_q_tile(p.q, seq.q_offset(p, head_begin), p.q_strides, tiles.end - 1, q_buffer(0));
-      load_q_tile(p.dout, seq.do_offset(p, head_begin), p.do_strides, tiles.end - 1,
+      load_q_tile(p.q, q_row0 + head_begin * p.q_strides.head, p.q_strides, tiles.end - 1,
+                  q_buffer(0));
+      load_q_tile(p.dout, do_row0 + head_begin * p.do_strides.head, p.do_strides, tiles.end - 1,
                   do_buffer(0));
       // K, V, Q and dO are not the preprocess's outputs, so they may load while it finishes;
       // D (next) and dq_accum (zeroed by it) wait for it to complete.
@@ -327,11 +334,12 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
           bulk_reduce_add(dq_pending, smem_dq, Tr::kdQStageBytes);
         }
         auto load_next_q = [&](int next_stage) {
-          load_q_tile(p.q, seq.q_offset(p, next_head), p.q_strides, next_m, q_buffer(next_stage));
+          load_q_tile(p.q, q_row0 + next_head * p.q_strides.head, p.q_strides, next_m,
+                      q_buffer(next_stage));
           load_row_stats(next_head, next_m, next_stage);
         };
         auto load_next_do = [&](int next_stage) {
-          load_q_tile(p.dout, seq.do_offset(p, next_head), p.do_strides, next_m,
+          load_q_tile(p.dout, do_row0 + next_head * p.do_strides.head, p.do_strides, next_m,
                       do_buffer(next_stage));
         };
         if (Tr::kQStages == 2 && has_next) {
@@ -467,7 +475,8 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
     Tensor tXgX = gmem_store_thr.partition_D(gX);
     Tensor tXrX = make_tensor<Element>(shape(tXgX));
     copy(gmem_store, tXsX, tXrX);
-    store_tile(gmem_store, tXrX, tXgX, tdKcdK, keys_valid, p.head_dim);
+    // Rows past seqused_k (variable-length) saw no query: their zeros are written too.
+    store_tile(gmem_store, tXrX, tXgX, tdKcdK, seq.rows_k(p) - col0, p.head_dim);
   };
   store_rows(sK, p.dk, seq.dk_offset(p, head_k), p.dk_strides);
   store_rows(sV, p.dv, seq.dv_offset(p, head_k), p.dv_strides);
@@ -486,7 +495,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_kernel(const __grid_const
   // n - 1 of a head starting before key tile n (fa2_bwd_dq.h), which TileOrder keeps.
   for (int64_t item = blockIdx.x; item < order.items(); item += gridDim.x) {
     const WorkItem w = order.decode(item);  // its heads are KV heads
-    bwd_key_tile<Tr>(p, smem, w.tile, SeqInfo(p, w.batch), w.head);
+    const SeqInfo seq(p, w.batch);
+    // Variable-length: the grid covers the longest sequence; a shorter one ends earlier (its
+    // last key tiles, so no deterministic turn waits for them).
+    if (w.tile * Tr::kBlockN >= seq.rows_k(p)) continue;
+    bwd_key_tile<Tr>(p, smem, w.tile, seq, w.head);
     __syncthreads();  // the next tile's loads overwrite shared memory
   }
 #endif

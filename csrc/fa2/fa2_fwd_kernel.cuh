@@ -65,7 +65,9 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   const int row0 = m_block * kBlockM;
 
   const Mask mask(p, seq);
-  const KeyTiles tiles = mask.key_tiles<kBlockM, kBlockN>(row0);
+  // Variable-length: a tile past the sequence's used rows (seqused_q) sees no key.
+  const KeyTiles tiles =
+      row0 < seq.seqlen_q(p) ? mask.key_tiles<kBlockM, kBlockN>(row0) : KeyTiles{};
 
   // ---- global tensors of this sequence and head --------------------------------------------
   auto rows = [](auto* base, int64_t offset, const Strides& s, int seqlen) {
@@ -79,7 +81,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   Tensor mV = rows(static_cast<const Element*>(p.v), seq.v_offset(p, head_k), p.v_strides,
                    seq.seqlen_k(p));  // (seqlen_k, hdim)
   Tensor mO = rows(static_cast<Element*>(p.o), seq.o_offset(p, head), p.o_strides,
-                   seq.seqlen_q(p));  // (seqlen_q, hdim)
+                   seq.rows_q(p));  // (rows_q, hdim)
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BM, hdim)
   Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BM, hdim)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (BN, hdim, n)
@@ -108,8 +110,10 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
+  // The loop reads the lengths the mask holds: re-reading a variable-length batch's from
+  // cu_seqlens would put a global load before every tile's copies.
   auto load_kv = [&](auto& tG, auto& tS, int n) __attribute__((always_inline)) {
-    const int valid = seq.seqlen_k(p) - n * kBlockN;
+    const int valid = mask.seqlen_k - n * kBlockN;
     if (valid < kBlockN) {
       copy_tile<true>(gmem_load, tG(_, _, _, n), tS, tKcK, valid, p.head_dim);
     } else {
@@ -148,7 +152,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
     // Stage s of a partitioned shared-memory view.
     auto stage = [](auto const& t, int s) { return make_tensor(t.data() + s * kKV, t.layout()); };
     // Prologue: Q and the first K tile (two stages: and V) in flight, in tile end-1's stage.
-    copy_tile<true>(gmem_load, tQgQ, tQsQ, tQcQ, seq.seqlen_q(p) - row0, p.head_dim);
+    copy_tile<true>(gmem_load, tQgQ, tQsQ, tQcQ, mask.seqlen_q - row0, p.head_dim);
     const int first_stage = Tr::kStages == 2 ? (tiles.end - 1) & 1 : 0;
     Tensor tKsK_first = stage(tKsK, first_stage);
     load_kv(tKgK, tKsK_first, tiles.end - 1);
@@ -222,6 +226,19 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   float lse[Tr::kRowsPerThread];
   softmax.finalize(acc_o_rc, p.softmax_scale_log2, Tr::kDropout ? p.rp_keep : 1.f, lse);
   if (tiles.empty()) clear(acc_o);
+  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tOcO_rc = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
+  if (p.seqused_q != nullptr) {
+    // Rows past seqused_q take no part: O = 0, lse = +inf, like a row that sees no key.
+#pragma unroll
+    for (int mi = 0; mi < Tr::kRowsPerThread; ++mi) {
+      if (row0 + get<0>(tOcO_rc(mi, 0)) >= mask.seqlen_q) {
+        lse[mi] = INFINITY;
+#pragma unroll
+        for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) acc_o_rc(mi, ni) = 0.f;
+      }
+    }
+  }
 
   Tensor rO = convert_fragment<Element>(acc_o);
   Tensor sO = make_tensor(sQ.data(), typename Tr::SmemQ{});  // (BM, hdim)
@@ -236,13 +253,12 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   __syncwarp();
   copy(smem_store, taccOrO, taccOsO);
 
-  Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  const int rows_q = seq.rows_q(p);
   if (get<1>(tOcO(0)) == 0) {  // the lane holding column 0 of its rows writes their lse
 #pragma unroll
     for (int mi = 0; mi < Tr::kRowsPerThread; ++mi) {
-      Tensor tOcO_rc = make_tensor(tOcO.data(), rowcol(tOcO.layout()));
       const int row = row0 + get<0>(tOcO_rc(mi, 0));
-      if (row < seq.seqlen_q(p)) lse_row[row] = lse[mi];
+      if (row < rows_q) lse_row[row] = lse[mi];
     }
   }
   __syncthreads();
@@ -254,7 +270,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   Tensor tOrO = make_tensor<Element>(shape(tOgO));
   copy(gmem_store, tOsO, tOrO);
   Tensor tOcO_store = gmem_store_thr.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  store_tile(gmem_store, tOrO, tOgO, tOcO_store, seq.seqlen_q(p) - row0, p.head_dim);
+  store_tile(gmem_store, tOrO, tOgO, tOcO_store, rows_q - row0, p.head_dim);
 }
 
 template <class Tr>
@@ -265,7 +281,11 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
   for (int64_t item = blockIdx.x; item < order.items(); item += gridDim.x) {
     const WorkItem w = order.decode(item);
     // Tile 0 is the last query tile: under a causal mask, the one with the most keys.
-    fwd_tile<Tr>(p, smem, order.tiles - 1 - w.tile, SeqInfo(p, w.batch), w.head, w.head_k);
+    const int m_block = order.tiles - 1 - w.tile;
+    const SeqInfo seq(p, w.batch);
+    // Variable-length: the grid covers the longest sequence; a shorter one ends earlier.
+    if (m_block * Tr::kBlockM >= seq.rows_q(p)) continue;
+    fwd_tile<Tr>(p, smem, m_block, seq, w.head, w.head_k);
     __syncthreads();  // the next tile's loads overwrite shared memory
   }
   if constexpr (Tr::kDropout) {

@@ -55,8 +55,8 @@ struct FwdEpilogue {
 
   int cw, wg_tid, quad;
   uint32_t o_pack[2][kHeadDim / 32][4];  // per row, this lane's 8 columns of 4 blocks
-  Element* o_dst[2];  // this lane's first column in each of its rows; nullptr: past seqlen_q
-  float* lse_dst[2];  // nullptr: past seqlen_q, or not quad 0 (which writes the row's lse)
+  Element* o_dst[2];  // this lane's first column in each of its rows; nullptr: past the rows
+  float* lse_dst[2];  // nullptr: past the rows, or not quad 0 (which writes the row's lse)
   float lse_val[2];
   bool pending = false;
 
@@ -208,24 +208,35 @@ struct FwdEpilogue {
     softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);  // O stays 0 if no key
     if constexpr (kStageO) {
       if (walked) {
-        stage(p, tma.o, ml, seq, it, wg_row0, o_state, acc_o_rc, cO_rc, lse);
-        return;
+        if (p.cu_seqlens_q == nullptr) {
+          stage(p, tma.o, ml, seq, it, wg_row0, o_state, acc_o_rc, cO_rc, lse);
+          return;
+        }
+        // Variable-length: TMA's boxes would write past the sequence's rows into the next
+        // one's. The register store writes row by row; the borrowed stages go back first.
+        skip(ml, o_state);
       }
     }
     Element* o = static_cast<Element*>(p.o) + seq.o_offset(p, it.head);
+    // Variable-length: rows from seqused_q to the sequence's end take no part (O 0, lse +inf);
+    // dense, both are seqlen_q.
+    const int used_q = seq.seqlen_q(p), rows_q = seq.rows_q(p);
     CUTE_UNROLL
     for (int mi = 0; mi < 2; ++mi) {
       const int row = wg_row0 + get<0>(cO_rc(mi, 0));
+      const bool used = row < used_q;
       CUTE_UNROLL
       for (int g = 0; g < kHeadDim / 32; ++g) {  // groups of four 8-column blocks
         uint32_t(&w)[4] = o_pack[mi][g];  // w[j]: this lane's column pair of block 4g + j
         CUTE_UNROLL
         for (int j = 0; j < 4; ++j) {
-          w[j] = pack2<Raw>(acc_o_rc(mi, 8 * g + 2 * j), acc_o_rc(mi, 8 * g + 2 * j + 1));
+          w[j] = used ? pack2<Raw>(acc_o_rc(mi, 8 * g + 2 * j), acc_o_rc(mi, 8 * g + 2 * j + 1))
+                      : 0u;
         }
         quad_transpose(w, quad);  // now w[j]: lane j's column pair of block 4g + quad
       }
-      const bool in = row < seq.seqlen_q(p);
+      if (!used) lse[mi] = INFINITY;
+      const bool in = row < rows_q;
       o_dst[mi] = in ? o + int64_t(row) * p.o_strides.row + 8 * quad : nullptr;
       lse_dst[mi] = in && quad == 0 ? p.lse + seq.lse_offset(p, it.head) + row : nullptr;
       lse_val[mi] = lse[mi];
@@ -265,12 +276,13 @@ struct FwdEpilogue {
     cutlass::arch::fence_view_async_shared();  // the writes, before the async proxy reads them
     barrier_sync(128, FwdBarrier::ConsumerOwn, cw);
     if (wg_tid == 0) {
-      Tensor mO = tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.heads, p.batch));
+      Tensor mO = tma_o.get_tma_tensor(make_shape(flash::SeqInfo::view_rows_q(p), p.head_dim,
+                                                  p.heads, flash::SeqInfo::view_batch(p)));
       auto cta_o = tma_o.get_slice(Int<0>{});
       CUTE_UNROLL
       for (int j = 0; j < kHeadDim / 64; ++j) {  // rows past seqlen_q, columns past head_dim clip
         Tensor sO = make_tensor(make_smem_ptr(region + 64 * 64 * j), typename Tr::SmemOBox{});
-        Tensor gO = local_tile(seq.rows(mO, it.head), Shape<_64, _64>{},
+        Tensor gO = local_tile(seq.q_rows(p, mO, it.head), Shape<_64, _64>{},
                                make_coord(wg_row0 / 64, j));
         copy(tma_o, cta_o.partition_S(sO), cta_o.partition_D(gO));
       }

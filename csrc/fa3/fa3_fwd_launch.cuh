@@ -1,5 +1,6 @@
 // FA3 forward launcher: reads the call's plan (fa3_plan.h), builds the TMA descriptors over
-// (seqlen, head_dim, heads, batch) views of Q, K, V (and O), the scheduler, and launches the
+// (seqlen, head_dim, heads, batch) views of Q, K, V (and O) (common/seqinfo.h: a
+// variable-length batch is one sequence of all its rows), the scheduler, and launches the
 // planned kernel. Included by the generated instantiation files and the harness only.
 #pragma once
 
@@ -17,6 +18,7 @@
 #include <type_traits>
 
 #include "common/check.h"
+#include "common/seqinfo.h"
 #include "common/tile_order.h"
 #include "fa3/fa3.h"
 #include "fa3/fa3_fwd_kernel.cuh"
@@ -46,22 +48,25 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   // A TMA descriptor needs every stride to be a multiple of 16 bytes, also that of a dimension
   // of extent 1, which the frontend leaves as it comes (a slice of a longer tensor can have
   // any). Such a stride is never stepped along: give it the extent of the dims inside it.
+  // A variable-length batch is one sequence of all its rows (SeqInfo's views).
+  const int batches = SeqInfo::view_batch(p);
   auto tensor = [&](auto* ptr, const Strides& s, int seqlen, int heads) {
     const int64_t row = seqlen > 1 ? s.row : p.head_dim;
     const int64_t head = heads > 1 ? s.head : row * seqlen;
-    const int64_t batch = p.batch > 1 ? s.batch : head * heads;
+    const int64_t batch = batches > 1 ? s.batch : head * heads;
     // The TMA boxes are kHeadDim wide; columns past head_dim (<= kHeadDim) are zero-filled,
     // as are rows past seqlen.
-    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, p.head_dim, heads, p.batch),
+    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, p.head_dim, heads, batches),
                        make_stride(row, _1{}, head, batch));
   };
+  const int rows_q = SeqInfo::view_rows_q(p), rows_k = SeqInfo::view_rows_k(p);
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{},
-                             tensor(static_cast<const Element*>(p.q), p.q_strides, p.seqlen_q,
+                             tensor(static_cast<const Element*>(p.q), p.q_strides, rows_q,
                                     p.heads),
                              take<0, 2>(typename Tr::SmemQ{}));
   // K / V: multicast to the cluster's CTAs, each loading 1 / kClusterM of a tile.
   auto kv_tma = [&](const void* ptr, const Strides& s) {
-    auto g = tensor(static_cast<const Element*>(ptr), s, p.seqlen_k, p.heads_k);
+    auto g = tensor(static_cast<const Element*>(ptr), s, rows_k, p.heads_k);
     if constexpr (Tr::kClusterM > 1) {
       return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, g, take<0, 2>(typename Tr::SmemKV{}),
                            Int<Tr::kClusterM>{});
@@ -75,7 +80,7 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   auto tma_o = [&] {
     if constexpr (Tr::kStageO) {
       return make_tma_copy(SM90_TMA_STORE{},
-                           tensor(static_cast<Element*>(p.o), p.o_strides, p.seqlen_q, p.heads),
+                           tensor(static_cast<Element*>(p.o), p.o_strides, rows_q, p.heads),
                            typename Tr::SmemOBox{});
     } else {
       return NoTma{};

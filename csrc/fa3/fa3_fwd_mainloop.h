@@ -51,8 +51,12 @@ __device__ __forceinline__ Item item_at(const FwdParams& p, const Scheduler& sch
   it.batch = w.batch;
   it.head_k = w.head_k;
   it.row0 = it.m_block * Tr::kBlockM;
-  it.tiles = mask.key_tiles<Tr::kBlockM * Tr::kClusterM, Tr::kBlockN>(
-      group * Tr::kClusterM * Tr::kBlockM);
+  // Variable-length: the items cover the longest sequence; a tile past this one's used rows
+  // sees no key (its rows up to the sequence's end are written as rows that see none).
+  const int group_row0 = group * Tr::kClusterM * Tr::kBlockM;
+  it.tiles = group_row0 < mask.seqlen_q
+                 ? mask.key_tiles<Tr::kBlockM * Tr::kClusterM, Tr::kBlockN>(group_row0)
+                 : flash::KeyTiles{};
   return it;
 }
 
@@ -136,9 +140,14 @@ struct FwdMainloop {
                                        int rank) {
     Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
-    Tensor mQ = tma.q.get_tma_tensor(make_shape(p.seqlen_q, p.head_dim, p.heads, p.batch));
-    Tensor mK = tma.k.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.heads_k, p.batch));
-    Tensor mV = tma.v.get_tma_tensor(make_shape(p.seqlen_k, p.head_dim, p.heads_k, p.batch));
+    using flash::SeqInfo;
+    const int batches = SeqInfo::view_batch(p);
+    Tensor mQ = tma.q.get_tma_tensor(
+        make_shape(SeqInfo::view_rows_q(p), p.head_dim, p.heads, batches));
+    Tensor mK = tma.k.get_tma_tensor(
+        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches));
+    Tensor mV = tma.v.get_tma_tensor(
+        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches));
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
     auto state = cutlass::make_producer_start_state<Pipeline>();
     auto kv_tma = [](auto const& tma_kv, uint64_t& full) {
@@ -169,12 +178,14 @@ struct FwdMainloop {
       pin(it.m_block), pin(it.head), pin(it.batch), pin(it.head_k);
       pin(it.tiles.begin), pin(it.tiles.end);
       const flash::SeqInfo seq(p, it.batch);
-      Tensor gQ = local_tile(seq.rows(mQ, it.head), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+      // Variable-length: the tiles reach past the sequence into the next one's rows; the
+      // consumers zero Q and V there (zero_tails) and mask K.
+      Tensor gQ = local_tile(seq.q_rows(p, mQ, it.head), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(it.m_block, 0));
-      Tensor gK = local_tile(seq.rows(mK, it.head_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                             make_coord(_, 0));
-      Tensor gV = local_tile(seq.rows(mV, it.head_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                             make_coord(_, 0));
+      Tensor gK = local_tile(seq.k_rows(p, mK, it.head_k),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+      Tensor gV = local_tile(seq.k_rows(p, mV, it.head_k),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
       auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{},
                                       group_modes<0, 2>(sQ(_, _, qb)), group_modes<0, 2>(gQ));
       auto [tKg, tKs] = tma_partition(tma.k, rank, Layout<Int<Tr::kClusterM>>{},
@@ -286,6 +297,41 @@ struct FwdMainloop {
     return tiles;
   }
 
+  // Variable-length: the tiles read rows past the sequence (the next sequence's, or what lies
+  // past seqused), where a dense call's TMA fills zeros. Before its walk, a consumer zeroes
+  // them in shared memory: its own Q rows past the used rows, and the V rows of the walk's
+  // first tile (the sequence's last) past its keys, which P = 0 does not cancel where they are
+  // inf or NaN. The rows past the used ones then vote as in a dense call (the lazy softmax's
+  // rescale is a warp's vote), so a packed batch of equal lengths gives the dense result. K rows
+  // past the keys are masked. Both consumers write the same zeros into V; the stage is not
+  // refilled before both release it.
+  __device__ __forceinline__ void zero_tails(const FwdParams& p, const flash::Mask& mask,
+                                             int n, PipelineState& st, int wg_row0, int qb,
+                                             int cw) {
+    if (p.cu_seqlens_q == nullptr) return;
+    const int q_valid = max(mask.seqlen_q - wg_row0, 0), v_valid = mask.seqlen_k - n * kBlockN;
+    if (q_valid >= 64 && v_valid >= kBlockN) return;
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a row: contiguous under the swizzle
+    const int wg_tid = threadIdx.x % 128;
+    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
+    #pragma unroll 1
+    for (int i = wg_tid; i < (64 - q_valid) * kChunks; i += 128) {
+      *reinterpret_cast<uint4*>(&sQ(64 * cw + q_valid + i / kChunks, i % kChunks * 8, qb)) =
+          make_uint4(0, 0, 0, 0);
+    }
+    if (v_valid < kBlockN) {
+      pipe_v.consumer_wait(st);
+      Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
+      #pragma unroll 1
+      for (int i = wg_tid; i < (kBlockN - v_valid) * kChunks; i += 128) {
+        *reinterpret_cast<uint4*>(&sV(v_valid + i / kChunks, i % kChunks * 8, st.index())) =
+            make_uint4(0, 0, 0, 0);
+      }
+    }
+    cutlass::arch::fence_view_async_shared();  // the writes, before WGMMA's async proxy reads
+    barrier_sync(128, FwdBarrier::ConsumerOwn, cw);
+  }
+
   // ---- consumers: the key-tile walk -----------------------------------------------------------
 
   // Consumer cw's walk over one item's key tiles (non-empty), from the last to the first:
@@ -351,6 +397,8 @@ struct FwdMainloop {
       if constexpr (Tr::kScoreMod) score_mod.apply(s, cS_rc, wg_row0, n * kBlockN);
     };
 
+    // Before the walk, while no accumulator is live.
+    zero_tails(p, mask, tiles.end - 1, state, wg_row0, qb, cw);
     if constexpr (Tr::kSchedule == Schedule::kSerial) {
       auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
         pipe_k.consumer_wait(state);

@@ -80,7 +80,7 @@ FAMILIES: dict[str, Family] = {
         dtype_min_arch={"fp16": 80, "bf16": 80},
         hdims=(32, 64, 96, 128, 192, 256),
         directions=("fwd", "bwd"),
-        features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout"}),
+        features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen"}),
     ),
     # FlashAttention-3's forward for Hopper: TMA loads by a producer warpgroup, WGMMA in two or
     # three consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its
@@ -91,7 +91,7 @@ FAMILIES: dict[str, Family] = {
         dtype_min_arch={"fp16": 90, "bf16": 90},
         hdims=(64, 96, 128, 192, 256),
         directions=("fwd",),
-        features=frozenset({"causal", "gqa", "local", "softcap", "alibi"}),
+        features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "varlen"}),
         max_arch=90,
         bwd_family="fa2",
     ),
