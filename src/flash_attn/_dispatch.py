@@ -28,6 +28,7 @@ into the graph: set FLASH_ATTN_BACKEND before the first compiled call, or pass `
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Iterable, List, NamedTuple, Optional, Tuple
 
@@ -322,7 +323,15 @@ def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Op
             need_bwd: bool) -> Tuple[str, str, str]:
     """``choose`` as (family, "", "") or ("", exception name, message), memoised: dynamo turns
     the result into a constant, and an exception raised while it traces would reach the user
-    wrapped in a dynamo error, so errors are returned here and raised by traced code."""
+    wrapped in a dynamo error, so errors are returned here and raised by traced code. The memo
+    is keyed by the loaded extension itself (what it was built with cannot change), so that a
+    call that was decided before costs one lookup: its built configs, archs and PTX are read
+    only to decide."""
+    key = (sys.modules.get(_ops._EXTENSION), arch, dtype, hdim, features, requested,
+           need_bwd)
+    decision = _DECISIONS.get(key) if key[0] is not None else None
+    if decision is not None:
+        return decision
     try:
         built = built_configs()
         archs, ptx = built_archs(), ptx_arch()
@@ -330,16 +339,14 @@ def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Op
     except RuntimeError as e:
         return ("", "RuntimeError", str(e))
     if wrong_arch is not None:
-        return ("", "RuntimeError", f"flash_attn: {wrong_arch}")
-    key = (arch, dtype, hdim, features, requested, need_bwd, built, archs, ptx)
-    decision = _DECISIONS.get(key)
-    if decision is None:
+        decision = ("", "RuntimeError", f"flash_attn: {wrong_arch}")
+    else:
         try:
             decision = (choose(arch, dtype, hdim, features, requested, need_bwd=need_bwd,
                                built=built, archs=archs, ptx=ptx), "", "")
         except NotImplementedError as e:
             decision = ("", "NotImplementedError", str(e))
-        _DECISIONS[key] = decision
+    _DECISIONS[(_ops.extension(),) + key[1:]] = decision
     return decision
 
 
