@@ -371,6 +371,17 @@ def parse_int_list(text: str) -> list[int]:
     return out
 
 
+def apply_preset(args, preset: dict) -> None:
+    """The grid and repetition options the command line left unset, from a FULL / QUICK preset
+    (seqlens and hdims as comma lists)."""
+    for key in ("seqlens", "hdims"):
+        if getattr(args, key) is None:
+            setattr(args, key, parse_int_list(preset[key]))
+    for key in ("target_ms", "min_reps", "max_reps", "rounds"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset[key])
+
+
 def parse_name_list(text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     if allowed is not None:

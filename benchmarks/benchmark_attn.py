@@ -407,13 +407,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: pipeline smoke test
     args = p.parse_args(argv)
-    preset = QUICK if args.quick else FULL
-    for key in ("seqlens", "hdims"):
-        if getattr(args, key) is None:
-            setattr(args, key, C.parse_int_list(preset[key]))
-    for key in ("target_ms", "min_reps", "max_reps", "rounds"):
-        if getattr(args, key) is None:
-            setattr(args, key, preset[key])
+    C.apply_preset(args, QUICK if args.quick else FULL)
     try:
         args.modes = C.parse_name_list(args.modes, MODES)
         args.backends = C.parse_name_list(args.backends,

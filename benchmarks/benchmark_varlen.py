@@ -191,13 +191,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true", help=argparse.SUPPRESS)  # no plot yet
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    preset = QUICK if args.quick else FULL
-    for key in ("seqlens", "hdims"):
-        if getattr(args, key) is None:
-            setattr(args, key, C.parse_int_list(preset[key]))
-    for key in ("target_ms", "min_reps", "max_reps", "rounds"):
-        if getattr(args, key) is None:
-            setattr(args, key, preset[key])
+    C.apply_preset(args, QUICK if args.quick else FULL)
     args.reps = None
     try:
         args.modes = C.parse_name_list(args.modes, B.MODES)

@@ -166,9 +166,12 @@ const Kernel& find_kernel(const std::string& family, const std::string& directio
   return *best;
 }
 
-void check_qkv_like(const at::Tensor& t, const char* name, const at::Tensor& q) {
+// t as the kernels read it, like q: on q's device, q's dtype, `layout` (ndim dims: 4 dense, 3
+// packed), last dim contiguous.
+void check_kernel_tensor(const at::Tensor& t, const char* name, const at::Tensor& q, int ndim,
+                         const char* layout) {
   TORCH_CHECK(t.is_cuda(), "flash_attn: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.dim() == 4, "flash_attn: ", name, " must be (batch, seqlen, heads, headdim), got ",
+  TORCH_CHECK(t.dim() == ndim, "flash_attn: ", name, " must be ", layout, ", got ",
               shape(t.sizes()));
   TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flash_attn: ", name, " has dtype ",
               t.scalar_type(), " but q has ", q.scalar_type());
@@ -178,13 +181,22 @@ void check_qkv_like(const at::Tensor& t, const char* name, const at::Tensor& q) 
   // 16-byte vector loads: the base and every stride that is used must be multiples of 8
   // elements (the frontend copies a tensor that is not).
   bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int d = 0; d < 3; ++d) aligned = aligned && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
+  for (int d = 0; d < ndim - 1; ++d) aligned = aligned && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
   TORCH_CHECK(aligned, "flash_attn: ", name,
               " must be 16-byte aligned with strides that are multiples of 8, got strides ",
               shape(t.strides()));
 }
+void check_qkv_like(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  check_kernel_tensor(t, name, q, 4, "(batch, seqlen, heads, headdim)");
+}
+void check_packed_like(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  check_kernel_tensor(t, name, q, 3, "(total, heads, headdim)");
+}
 
+// (batch, row, head) steps of a (batch, seqlen, heads, hdim) tensor; of a packed (total, heads,
+// hdim) one, with a batch step of 0 (common/params.h).
 flash::Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+flash::Strides packed_strides_of(const at::Tensor& t) { return {0, t.stride(0), t.stride(1)}; }
 
 // Device attributes, read once per device (cudaDeviceGetAttribute does not synchronize).
 struct DeviceInfo {
@@ -377,6 +389,16 @@ void take_philox(flash::FwdParams& p, const at::Tensor& q) {
   }
 }
 
+// The forward's rng_state: the kernel writes [seed, offset] when dropping. Nothing drawn: it is
+// zeros. fa3's kernel writes them itself, which keeps a fill kernel off a small call's path (1
+// us of 20-35 us).
+void set_rng_state(flash::FwdParams& p, const at::Tensor& rng_state, const at::Tensor& q,
+                   const std::string& family) {
+  p.rng_state = rng_state.data_ptr<int64_t>();
+  if (p.dropout_p > 0.f) take_philox(p, q);
+  if (p.dropout_p == 0.f && family != "fa3") rng_state.zero_();
+}
+
 void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   check_qkv_like(q, "q", q);
   check_qkv_like(k, "k", q);
@@ -396,12 +418,16 @@ void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
               num(q.size(1)), " and ", num(k.size(1)));
 }
 
-void check_lse(const at::Tensor& lse, const at::Tensor& q) {
+// lse: contiguous float32 of `sizes` (spelled `layout`) on q's device.
+void check_lse(const at::Tensor& lse, const at::Tensor& q, at::IntArrayRef sizes,
+               const char* layout) {
   TORCH_CHECK(lse.is_cuda() && lse.device() == q.device(), "flash_attn: lse is on ",
               lse.device().str(), " but q is on ", q.device().str());
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
-                  lse.sizes() == at::IntArrayRef({q.size(0), q.size(2), q.size(1)}),
-              "flash_attn: lse must be contiguous float32 (batch, heads, seqlen_q)");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.sizes() == sizes,
+              "flash_attn: lse must be contiguous float32 ", layout);
+}
+void check_lse(const at::Tensor& lse, const at::Tensor& q) {
+  check_lse(lse, q, {q.size(0), q.size(2), q.size(1)}, "(batch, heads, seqlen_q)");
 }
 
 // out, lse and rng_state are the caller's tensors to write, or None: then this allocates them
@@ -440,13 +466,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   flash::FwdParams p;
   fill_fwd(p, q, k, v, out, lse, softmax_scale,
            {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
-  p.rng_state = rng_state.data_ptr<int64_t>();  // the kernel writes [seed, offset] when dropping
-  if (p.dropout_p > 0.f) take_philox(p, q);
-  // Nothing drawn: rng_state is zeros. fa3's kernel writes them itself, which keeps a fill
-  // kernel off a small call's path (1 us of 20-35 us).
-  if (p.dropout_p == 0.f && family != "fa3") rng_state.zero_();
+  set_rng_state(p, rng_state, q, family);
   kernel.fwd(p, kernel.hdim, parse_tuning(tuning), q);
   return result;
+}
+
+// What the backward reads besides the forward's params: dO, the gradients (their steps by
+// `strides`, dense or packed) and the Philox state the forward wrote, read on the device (no
+// synchronisation, and right under CUDA graph replay) to regenerate the dropout mask.
+void fill_grads(flash::BwdParams& p, const at::Tensor& dout, const at::Tensor& dq,
+                const at::Tensor& dk, const at::Tensor& dv,
+                flash::Strides (*strides)(const at::Tensor&), const at::Tensor& rng_state,
+                bool deterministic) {
+  p.dout = dout.data_ptr();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.do_strides = strides(dout);
+  p.dq_strides = strides(dq);
+  p.dk_strides = strides(dk);
+  p.dv_strides = strides(dv);
+  p.deterministic = deterministic;
+  int64_t* state = rng_state.data_ptr<int64_t>();
+  p.rng_state = state;
+  if (p.dropout_p > 0.f) {
+    p.philox.seed_ptr = state;
+    p.philox.offset_ptr = state + 1;
+    p.philox.offset_intragraph = 0;
+  }
 }
 
 void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -479,43 +526,11 @@ void bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const
   flash::BwdParams p;
   fill_fwd(p, q, k, v, out, lse, softmax_scale,
            {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
-  p.dout = dout.data_ptr();
-  p.dq = dq.data_ptr();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  p.do_strides = strides_of(dout);
-  p.dq_strides = strides_of(dq);
-  p.dk_strides = strides_of(dk);
-  p.dv_strides = strides_of(dv);
-  p.deterministic = deterministic;
-  // The mask is regenerated from the [seed, offset] the forward wrote, read on the device (no
-  // synchronisation, and right under CUDA graph replay).
-  int64_t* state = rng_state.data_ptr<int64_t>();
-  p.rng_state = state;
-  if (p.dropout_p > 0.f) {
-    p.philox.seed_ptr = state;
-    p.philox.offset_ptr = state + 1;
-    p.philox.offset_intragraph = 0;
-  }
+  fill_grads(p, dout, dq, dk, dv, strides_of, rng_state, deterministic);
   kernel.bwd(p, kernel.hdim, parse_tuning(tuning), q);
 }
 
 // ---- variable-length batches (flash_attn/_ops.py run_varlen_fwd) ------------------------------
-
-void check_packed_like(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.is_cuda() && t.device() == q.device(), "flash_attn: ", name, " is on ",
-              t.device().str(), " but q is on ", q.device().str());
-  TORCH_CHECK(t.dim() == 3, "flash_attn: ", name, " must be (total, heads, headdim), got ",
-              shape(t.sizes()));
-  TORCH_CHECK(t.scalar_type() == q.scalar_type(), "flash_attn: ", name, " has dtype ",
-              t.scalar_type(), " but q has ", q.scalar_type());
-  TORCH_CHECK(t.stride(-1) == 1, "flash_attn: ", name, " must be contiguous in its last dim");
-  bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int d = 0; d < 2; ++d) aligned = aligned && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
-  TORCH_CHECK(aligned, "flash_attn: ", name,
-              " must be 16-byte aligned with strides that are multiples of 8, got strides ",
-              shape(t.strides()));
-}
 
 const int* index_ptr(const std::optional<at::Tensor>& t, const char* name, int64_t size,
                      const at::Tensor& q) {
@@ -525,6 +540,48 @@ const int* index_ptr(const std::optional<at::Tensor>& t, const char* name, int64
               "flash_attn: ", name, " must be a contiguous int32 CUDA tensor of shape (",
               num(size), ",) on q's device, got ", t->scalar_type(), " ", shape(t->sizes()));
   return t->data_ptr<int>();
+}
+
+void check_packed_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_packed_like(q, "q", q);
+  check_packed_like(k, "k", q);
+  check_packed_like(v, "v", q);
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == q.size(2) && q.size(2) % 8 == 0 &&
+                  k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "flash_attn: q ", shape(q.sizes()), ", k ", shape(k.sizes()), ", v ",
+              shape(v.sizes()), " do not fit together");
+}
+
+// fill_fwd for a packed batch of cu_seqlens.size(0) - 1 sequences (common/params.h): the
+// longest sequence's lengths as seqlen_q / seqlen_k, a batch step of 0.
+void fill_varlen(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k,
+                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                 int64_t batch, const int* cu_q, const int* cu_k,
+                 const std::optional<at::Tensor>& seqused_q,
+                 const std::optional<at::Tensor>& seqused_k, int64_t max_seqlen_q,
+                 int64_t max_seqlen_k, double softmax_scale, const Features& f) {
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.o = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  p.q_strides = packed_strides_of(q);
+  p.k_strides = packed_strides_of(k);
+  p.v_strides = packed_strides_of(v);
+  p.o_strides = packed_strides_of(out);
+  p.batch = int(batch);
+  p.seqlen_q = int(max_seqlen_q);
+  p.seqlen_k = int(max_seqlen_k);
+  p.heads = int(q.size(1));
+  p.head_dim = int(q.size(2));
+  p.heads_k = int(k.size(1));
+  p.cu_seqlens_q = cu_q;
+  p.cu_seqlens_k = cu_k;
+  p.seqused_q = index_ptr(seqused_q, "seqused_q", batch, q);
+  p.seqused_k = index_ptr(seqused_k, "seqused_k", batch, q);
+  p.total_q = int(q.size(0));
+  p.total_k = int(k.size(0));
+  fill_options(p, q, softmax_scale, f);
 }
 
 // q (total_q, heads, hdim), k / v (total_k, heads_k, hdim); sequence b's rows start at
@@ -539,15 +596,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, double softcap, double dropout_p,
     const std::string& family, const std::string& tuning) {
-  check_packed_like(q, "q", q);
-  check_packed_like(k, "k", q);
-  check_packed_like(v, "v", q);
+  check_packed_shapes(q, k, v);
   TORCH_CHECK(!block_table.has_value() || !block_table->defined(),
               "flash_attn: paged K/V (block_table) is not in this build's kernels");
-  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == q.size(2) && q.size(2) % 8 == 0 &&
-                  k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-              "flash_attn: q ", shape(q.sizes()), ", k ", shape(k.sizes()), ", v ",
-              shape(v.sizes()), " do not fit together");
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   TORCH_CHECK(batch >= 1, "flash_attn: cu_seqlens_q must hold batch + 1 >= 2 offsets");
   const int* cu_q = index_ptr(cu_seqlens_q, "cu_seqlens_q", batch + 1, q);
@@ -564,9 +615,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
       rng_state_arg ? *rng_state_arg : at::empty({2}, q.options().dtype(at::kLong));
   check_packed_like(out, "out", q);
   TORCH_CHECK(out.sizes() == q.sizes(), "flash_attn: out must have q's shape");
-  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
-                  lse.is_contiguous() && lse.sizes() == at::IntArrayRef({q.size(1), q.size(0)}),
-              "flash_attn: lse must be contiguous float32 (heads, total_q)");
+  check_lse(lse, q, {q.size(1), q.size(0)}, "(heads, total_q)");
   check_rng_state(rng_state, q);
   const auto result = std::make_tuple(out, lse, rng_state);
   if (q.size(0) == 0 || max_seqlen_q == 0 || k.size(0) == 0 || max_seqlen_k == 0) {
@@ -580,32 +629,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
       find_kernel(family, "fwd", dtype_name(q), int(q.size(2)), device_info(q).arch);
 
   flash::FwdParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.o = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.q_strides = {0, q.stride(0), q.stride(1)};
-  p.k_strides = {0, k.stride(0), k.stride(1)};
-  p.v_strides = {0, v.stride(0), v.stride(1)};
-  p.o_strides = {0, out.stride(0), out.stride(1)};
-  p.batch = int(batch);
-  p.seqlen_q = int(max_seqlen_q);
-  p.seqlen_k = int(max_seqlen_k);
-  p.heads = int(q.size(1));
-  p.head_dim = int(q.size(2));
-  p.heads_k = int(k.size(1));
-  p.cu_seqlens_q = cu_q;
-  p.cu_seqlens_k = cu_k;
-  p.seqused_q = index_ptr(seqused_q, "seqused_q", batch, q);
-  p.seqused_k = index_ptr(seqused_k, "seqused_k", batch, q);
-  p.total_q = int(q.size(0));
-  p.total_k = int(k.size(0));
-  fill_options(p, q, softmax_scale,
-               {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
-  p.rng_state = rng_state.data_ptr<int64_t>();
-  if (p.dropout_p > 0.f) take_philox(p, q);
-  if (p.dropout_p == 0.f && family != "fa3") rng_state.zero_();  // as fwd's
+  fill_varlen(p, q, k, v, out, lse, batch, cu_q, cu_k, seqused_q, seqused_k, max_seqlen_q,
+              max_seqlen_k, softmax_scale,
+              {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
+  set_rng_state(p, rng_state, q, family);
   kernel.fwd(p, kernel.hdim, parse_tuning(tuning), q);
   return result;
 }
@@ -620,9 +647,7 @@ void varlen_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k
                 const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
                 int64_t window_left, int64_t window_right, double softcap, double dropout_p,
                 bool deterministic, const std::string& family, const std::string& tuning) {
-  check_packed_like(q, "q", q);
-  check_packed_like(k, "k", q);
-  check_packed_like(v, "v", q);
+  check_packed_shapes(q, k, v);
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{out, "out"},
                                 {dout, "dout"}, {dq, "dq"}}) {
     check_packed_like(t, name, q);
@@ -632,13 +657,7 @@ void varlen_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k
     check_packed_like(t, name, q);
     TORCH_CHECK(t.sizes() == k.sizes(), "flash_attn: ", name, " must have k's shape");
   }
-  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == q.size(2) && q.size(2) % 8 == 0 &&
-                  k.size(1) > 0 && q.size(1) % k.size(1) == 0,
-              "flash_attn: q ", shape(q.sizes()), ", k ", shape(k.sizes()), ", v ",
-              shape(v.sizes()), " do not fit together");
-  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat &&
-                  lse.is_contiguous() && lse.sizes() == at::IntArrayRef({q.size(1), q.size(0)}),
-              "flash_attn: lse must be contiguous float32 (heads, total_q)");
+  check_lse(lse, q, {q.size(1), q.size(0)}, "(heads, total_q)");
   check_rng_state(rng_state, q);
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   TORCH_CHECK(batch >= 1, "flash_attn: cu_seqlens_q must hold batch + 1 >= 2 offsets");
@@ -655,45 +674,10 @@ void varlen_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k
       find_kernel(family, "bwd", dtype_name(q), int(q.size(2)), device_info(q).arch);
 
   flash::BwdParams p;
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.o = out.data_ptr();
-  p.lse = lse.data_ptr<float>();
-  p.q_strides = {0, q.stride(0), q.stride(1)};
-  p.k_strides = {0, k.stride(0), k.stride(1)};
-  p.v_strides = {0, v.stride(0), v.stride(1)};
-  p.o_strides = {0, out.stride(0), out.stride(1)};
-  p.batch = int(batch);
-  p.seqlen_q = int(max_seqlen_q);
-  p.seqlen_k = int(max_seqlen_k);
-  p.heads = int(q.size(1));
-  p.head_dim = int(q.size(2));
-  p.heads_k = int(k.size(1));
-  p.cu_seqlens_q = cu_q;
-  p.cu_seqlens_k = cu_k;
-  p.seqused_q = index_ptr(seqused_q, "seqused_q", batch, q);
-  p.seqused_k = index_ptr(seqused_k, "seqused_k", batch, q);
-  p.total_q = int(q.size(0));
-  p.total_k = int(k.size(0));
-  fill_options(p, q, softmax_scale,
-               {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
-  p.dout = dout.data_ptr();
-  p.dq = dq.data_ptr();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  p.do_strides = {0, dout.stride(0), dout.stride(1)};
-  p.dq_strides = {0, dq.stride(0), dq.stride(1)};
-  p.dk_strides = {0, dk.stride(0), dk.stride(1)};
-  p.dv_strides = {0, dv.stride(0), dv.stride(1)};
-  p.deterministic = deterministic;
-  int64_t* state = rng_state.data_ptr<int64_t>();
-  p.rng_state = state;
-  if (p.dropout_p > 0.f) {
-    p.philox.seed_ptr = state;
-    p.philox.offset_ptr = state + 1;
-    p.philox.offset_intragraph = 0;
-  }
+  fill_varlen(p, q, k, v, out, lse, batch, cu_q, cu_k, seqused_q, seqused_k, max_seqlen_q,
+              max_seqlen_k, softmax_scale,
+              {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
+  fill_grads(p, dout, dq, dk, dv, packed_strides_of, rng_state, deterministic);
   kernel.bwd(p, kernel.hdim, parse_tuning(tuning), q);
 }
 

@@ -384,6 +384,15 @@ def check_rotary_dim(rotary_dim: int, head_dim: int) -> None:
                          f"dim {head_dim}")
 
 
+def check_like_q(name: str, t, q, layout: str) -> None:
+    """A tensor of the KV-cache call that takes q's device and dtype, with the dims of layout."""
+    check_is_tensor(name, t)
+    check_ndim(name, t.shape, layout)
+    if t.device != q.device or t.dtype != q.dtype:
+        raise ValueError(f"{name} must be {q.dtype} on {q.device} like q, got {t.dtype} on "
+                         f"{t.device}")
+
+
 def validate_kvcache_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                           cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                           block_table=None, softmax_scale=None, causal=False,
@@ -440,11 +449,7 @@ def validate_kvcache_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
                          "the new keys and values go")
     if k is not None:
         for name, t in (("k", k), ("v", v)):
-            check_is_tensor(name, t)
-            check_ndim(name, t.shape, "(batch, seqlen_new, nheads_k, headdim)")
-            if t.device != q.device or t.dtype != q.dtype:
-                raise ValueError(f"{name} must be {q.dtype} on {q.device} like q, got "
-                                 f"{t.dtype} on {t.device}")
+            check_like_q(name, t, q, "(batch, seqlen_new, nheads_k, headdim)")
             want = (batch, k.shape[1], shapes.nheads_k, shapes.head_dim)
             if tuple(t.shape) != want:
                 raise ValueError(f"{name} must have shape (batch, seqlen_new, nheads_k, headdim)"
@@ -473,11 +478,7 @@ def validate_kvcache_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None:
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            check_is_tensor(name, t)
-            check_ndim(name, t.shape, "(seqlen_ro, rotary_dim / 2)")
-            if t.device != q.device or t.dtype != q.dtype:
-                raise ValueError(f"{name} must be {q.dtype} on {q.device} like q, got "
-                                 f"{t.dtype} on {t.device}")
+            check_like_q(name, t, q, "(seqlen_ro, rotary_dim / 2)")
         if tuple(rotary_sin.shape) != tuple(rotary_cos.shape):
             raise ValueError(f"rotary_sin must have the shape of rotary_cos, "
                              f"{tuple(rotary_cos.shape)}, got {tuple(rotary_sin.shape)}")
