@@ -34,8 +34,10 @@ struct DScore {
   uint32_t bh;  // batch * heads + query head: the dropout stream of this head
   PhiloxKey philox;
 
-  __device__ DScore(const BwdParams& p, const SeqInfo& seq, int head, const PhiloxKey& key)
-      : mod(p, seq, head), mask(p, seq), scale_log2(p.softmax_scale_log2), rp_keep(p.rp_keep),
+  // mask: the sequence's (the key tile's, with its warp-uniform lengths).
+  __device__ DScore(const BwdParams& p, const SeqInfo& seq, const Mask& mask_, int head,
+                    const PhiloxKey& key)
+      : mod(p, seq, head), mask(mask_), scale_log2(p.softmax_scale_log2), rp_keep(p.rp_keep),
         keep_threshold(p.keep_threshold), bh(uint32_t(seq.batch) * p.heads + head),
         philox(key) {}
 

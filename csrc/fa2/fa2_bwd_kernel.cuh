@@ -155,14 +155,18 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
   const int head_begin = head_k * group, head_end = head_begin + group;
   const int col0 = n_block * kBlockN;
 
-  const Mask mask(p, seq);
+  Mask mask(p, seq);
+  mask.seqlen_q = warp_uniform(mask.seqlen_q);
+  mask.seqlen_k = warp_uniform(mask.seqlen_k);
   const QueryTiles tiles = query_tiles<kBlockM, kBlockN>(mask, n_block);
   // Row 0 of the sequence in head 0 of q, dO and the lse, read once: a variable-length batch's
   // start and length live in cu_seqlens / seqused, and the query loop below would otherwise
   // re-read them (a branch and global loads) before every tile's copies. Head h's rows are
-  // h strides further on; the length is the mask's.
-  const int64_t q_row0 = seq.q_offset(p, 0), do_row0 = seq.do_offset(p, 0);
-  const int64_t lse_row0 = seq.lse_offset(p, 0), lse_head = seq.lse_head_stride(p);
+  // h strides further on; the length is the mask's. All warp-uniform (warp_uniform).
+  const int64_t q_row0 = warp_uniform(seq.q_offset(p, 0));
+  const int64_t do_row0 = warp_uniform(seq.do_offset(p, 0));
+  const int64_t lse_row0 = warp_uniform(seq.lse_offset(p, 0));
+  const int64_t lse_head = warp_uniform(seq.lse_head_stride(p));
 
   // ---- shared memory: Q (kQStages buffers), dO (kdOStages), K, V, Z, dS ------------------
   Element* smem_q = reinterpret_cast<Element*>(smem);
@@ -312,7 +316,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
     int stage = 0;
 
     for (int head = head_begin; head < head_end; ++head) {
-      const DScore<Tr::kDropout> dscore(p, seq, head, philox);
+      const DScore<Tr::kDropout> dscore(p, seq, mask, head, philox);
       const int64_t scratch_row0 = seq.scratch_row0<kRowPad>(p, head);
       float* dq_head = p.dq_accum + scratch_row0 * kHeadDim;
 

@@ -99,6 +99,14 @@ __device__ __forceinline__ void copy_tile(TiledCopy const& tiled_copy, Src const
   }
 }
 
+// x as ptxas can see that every lane of the warp holds it alike: lane 0's, through a shuffle.
+// Lengths and offsets read from cu_seqlens are per-thread loads to the compiler; as uniform
+// values they take uniform registers and predicates, as a dense call's kernel parameters do.
+template <class T>
+__device__ __forceinline__ T warp_uniform(T x) {
+  return __shfl_sync(0xffffffffu, x, 0);
+}
+
 // Register (or shared) -> global copy that skips rows past max_rows and columns past head_dim.
 template <class TiledCopy, class Src, class Dst, class Coord>
 __device__ __forceinline__ void store_tile(TiledCopy const& tiled_copy, Src const& tS, Dst& tD,
