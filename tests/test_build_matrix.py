@@ -206,7 +206,7 @@ def test_fa2_entry():
     assert (f.min_arch, dict(f.dtype_min_arch)) == (80, {"fp16": 80, "bf16": 80})
     assert f.hdims == (32, 64, 96, 128, 192, 256)
     assert f.directions == ("fwd", "bwd")
-    assert f.features == set(_validate.FEATURES) - {"paged_kv", "kvcache"}
+    assert f.features == set(_validate.FEATURES)
 
 
 def test_sm75_in_the_targets_with_fa2():

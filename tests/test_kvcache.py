@@ -5,13 +5,14 @@ extension (tests/conftest.py) computing reference.attention_kvcache_ref in the k
 must say that no backend supports it.
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 import flash_attn
-from flash_attn import reference
+from flash_attn import _dispatch, build_matrix, reference
 from conftest import give_features
 
 B, H, HK, D = 3, 8, 2, 64
@@ -44,7 +45,11 @@ def rotary_tables(rotary_dim=32, positions=CAPACITY):
 
 # ---- a build without KV-cache kernels ---------------------------------------------------------
 
-def test_without_kvcache_kernels_the_call_says_so(fake_ext):
+def test_without_kvcache_kernels_the_call_says_so(fake_ext, monkeypatch):
+    for name, fam in list(build_matrix.FAMILIES.items()):
+        monkeypatch.setitem(build_matrix.FAMILIES, name, dataclasses.replace(
+            fam, features=fam.features - {"kvcache"}))
+    monkeypatch.setattr(_dispatch, "_DECISIONS", {})
     q, k_cache, v_cache, _, _ = inputs()
     with pytest.raises(NotImplementedError, match=r"No backend in this version supports "
                                                   r"attention over a KV cache"):

@@ -4,7 +4,7 @@ PyTorch at the input precision) under the forward's error rule (_gpu_common.py),
 after the call against the reference's: new values exactly where they belong, rotated keys
 within one rounding of the reference's, every other position untouched.
 
-A family without the feature skips, saying so: today none has it (issue 34 adds the kernels).
+A family without the feature skips, saying so (fa3, and paged caches everywhere: not yet).
 """
 
 import math
@@ -65,7 +65,7 @@ def check_call(family, q, k_cache, v_cache, dtype, **kw):
     poison_allocator()
     out, lse = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, backend=family,
                                                   return_softmax_lse=True, **kw)
-    ref_kw = {key: value for key, value in kw.items() if key != "num_splits"}
+    ref_kw = {key: value for key, value in kw.items() if key not in ("num_splits", "_tuning")}
     truth = reference.attention_kvcache_ref(q, k_ref, v_ref, upcast=True, **ref_kw)
     lowp = reference.attention_kvcache_ref(q, k_ref, v_ref, upcast=False, **ref_kw)
     assert_rule("out", out, lowp[0], truth[0], 2, dtype)
@@ -174,3 +174,95 @@ def test_paged_matches_contiguous(family, page):
     for b, n in enumerate(lengths.tolist()):
         slot = block_table[b, n // page].long(), n % page
         assert torch.equal(k_pool[slot], k_cache[b, n]) and torch.equal(v_pool[slot], v_cache[b, n])
+
+
+# fa2 runs a short query (seqlen_q * heads / heads_k <= 16) through its decode kernel (one warp
+# per KV head, the query heads packed into the MMA's rows; fa2_decode_kernel.cuh) and longer
+# ones through the forward's kernel; _tuning fa2_decode=0 sends the short ones there too. Both
+# against the references, on the same inputs, with NaN in every cache row past the keys.
+@pytest.mark.parametrize("tuning", [None, {"fa2_decode": 0}], ids=["auto", "forward_kernel"])
+@pytest.mark.parametrize("case", [
+    dict(seqlen_q=1, heads=(32, 8), d=128),
+    dict(seqlen_q=1, heads=(8, 1), d=128, alibi=True),
+    dict(seqlen_q=2, heads=(16, 2), d=64, softcap=20.0, window_size=(300, 0)),
+    dict(seqlen_q=3, heads=(12, 3), d=96, causal=True),
+    dict(seqlen_q=5, heads=(16, 4), d=128, causal=True),  # 20 rows: the forward's kernel
+    dict(seqlen_q=1, heads=(16, 16), d=256, alibi=True, softcap=10.0),
+    dict(seqlen_q=4, heads=(8, 2), d=128, causal=True, page=16),
+    dict(seqlen_q=1, heads=(32, 8), d=128, page=1, window_size=(100, -1)),
+], ids=lambda c: "-".join(f"{k}{v}".replace(" ", "") for k, v in c.items()))
+def test_decode_kernel(case, tuning):
+    dtype, batch, capacity = torch.bfloat16, 4, 2500
+    case = dict(case)
+    seqlen_q, (h, hk), d = case.pop("seqlen_q"), case.pop("heads"), case.pop("d")
+    page = case.pop("page", None)
+    skip_unless_kvcache("fa2", dtype, d, paged=page is not None)
+    if case.pop("alibi", False):
+        case["alibi_slopes"] = torch.rand(batch, h, device=DEVICE) * 0.3
+    q = randn(batch, seqlen_q, h, d, dtype=dtype)
+    k_cache, v_cache = (randn(batch, capacity, hk, d, dtype=dtype) for _ in range(2))
+    k, v = (randn(batch, seqlen_q, hk, d, dtype=dtype) for _ in range(2))
+    lengths = [0, 1, 129, capacity - seqlen_q]
+    for b, n in enumerate(lengths):  # past the keys: garbage that must never be read
+        k_cache[b, n + seqlen_q:] = math.nan
+        v_cache[b, n + seqlen_q:] = math.nan
+    kw = dict(k=k, v=v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
+              _tuning=tuning, **case)
+    if page is None:
+        check_call("fa2", q, k_cache, v_cache, dtype, **kw)
+        return
+    k_pool, block_table = paged_copy(k_cache, page)
+    v_pool, _ = paged_copy(v_cache, page, block_table)
+    want = check_call("fa2", q, k_cache, v_cache, dtype, **kw)
+    got = flash_attn.flash_attn_with_kvcache(q, k_pool, v_pool, block_table=block_table,
+                                             backend="fa2", **kw)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
+def test_decode_kernel_splits(num_splits):
+    # Splits with no key (short sequences, 64 splits), and the forward kernel's split-KV for
+    # comparison through the same combine step.
+    dtype, d, batch = torch.bfloat16, 128, 3
+    skip_unless_kvcache("fa2", dtype, d)
+    q = randn(batch, 1, 32, d, dtype=dtype)
+    k_cache, v_cache = (randn(batch, 8192, 8, d, dtype=dtype) for _ in range(2))
+    lengths = torch.tensor([8192, 40, 5000], dtype=torch.int32, device=DEVICE)
+    for tuning in (None, {"fa2_decode": 0}):
+        check_call("fa2", q, k_cache, v_cache, dtype, cache_seqlens=lengths,
+                   num_splits=num_splits, _tuning=tuning)
+
+
+def test_cuda_graph_decode_step():
+    # A decode step captured once and replayed: new q / k / v copied into the captured
+    # buffers and cache_seqlens advanced in place between replays, as a serving loop does.
+    dtype, d, batch, capacity = torch.bfloat16, 128, 3, 1024
+    skip_unless_kvcache("fa2", dtype, d)
+    k_cache, v_cache = (randn(batch, capacity, 4, d, dtype=dtype) for _ in range(2))
+    lengths = torch.tensor([5, 100, 700], dtype=torch.int32, device=DEVICE)
+    q = randn(batch, 1, 16, d, dtype=dtype)
+    k, v = (randn(batch, 1, 4, d, dtype=dtype) for _ in range(2))
+
+    def step():
+        return flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                  cache_seqlens=lengths, causal=True,
+                                                  backend="fa2")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream (it writes k, v as well)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        for t in (q, k, v):
+            t.copy_(randn(*t.shape, dtype=dtype))
+        kw = dict(k=k, v=v, cache_seqlens=lengths, causal=True)
+        truth = reference.attention_kvcache_ref(q, k_cache, v_cache, upcast=True, **kw)
+        lowp = reference.attention_kvcache_ref(q, k_cache, v_cache, upcast=False, **kw)
+        graph.replay()
+        assert_rule("out", out, lowp[0], truth[0], 2, dtype)
+        assert torch.equal(k_cache, truth[2]) and torch.equal(v_cache, truth[3])
+        lengths += 1

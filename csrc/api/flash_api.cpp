@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/dropout_mask.h"
+#include "common/kvcache_prep.h"
 #include "common/params.h"
 #include "common/tuning.h"
 #include "fa1/fa1.h"
@@ -334,7 +335,7 @@ flash::Tuning parse_tuning(const std::string& text) {
       {"fa3_narrow", &flash::Tuning::fa3_narrow},     {"fa3_ctas", &flash::Tuning::fa3_ctas},
       {"fa2_dq_bulk", &flash::Tuning::fa2_dq_bulk},   {"fa2_dq_defer", &flash::Tuning::fa2_dq_defer},
       {"fa2_pdl", &flash::Tuning::fa2_pdl},           {"head_group", &flash::Tuning::head_group},
-      {"fa1_q_tiles", &flash::Tuning::fa1_q_tiles},
+      {"fa1_q_tiles", &flash::Tuning::fa1_q_tiles},   {"fa2_decode", &flash::Tuning::fa2_decode},
   };
   size_t at = 0;
   while (at < text.size()) {
@@ -542,18 +543,27 @@ const int* index_ptr(const std::optional<at::Tensor>& t, const char* name, int64
   return t->data_ptr<int>();
 }
 
-void check_packed_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+// q packed; k / v packed, or with `paged` (num_blocks, page_size, heads_k, hdim) pools.
+void check_packed_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         bool paged = false) {
   check_packed_like(q, "q", q);
-  check_packed_like(k, "k", q);
-  check_packed_like(v, "v", q);
-  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == q.size(2) && q.size(2) % 8 == 0 &&
-                  k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k, "k"}, {v, "v"}}) {
+    if (paged) {
+      check_qkv_like(t, name, q);
+    } else {
+      check_packed_like(t, name, q);
+    }
+  }
+  const int kh = k.dim() - 2;  // k's heads dim
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(kh + 1) == q.size(2) && q.size(2) % 8 == 0 &&
+                  k.size(kh) > 0 && q.size(1) % k.size(kh) == 0,
               "flash_attn: q ", shape(q.sizes()), ", k ", shape(k.sizes()), ", v ",
               shape(v.sizes()), " do not fit together");
 }
 
 // fill_fwd for a packed batch of cu_seqlens.size(0) - 1 sequences (common/params.h): the
-// longest sequence's lengths as seqlen_q / seqlen_k, a batch step of 0.
+// longest sequence's lengths as seqlen_q / seqlen_k, a batch step of 0; k / v may be paged
+// pools (4-D: set_pages gives their block table).
 void fill_varlen(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k,
                  const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                  int64_t batch, const int* cu_q, const int* cu_k,
@@ -566,15 +576,16 @@ void fill_varlen(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k,
   p.o = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.q_strides = packed_strides_of(q);
-  p.k_strides = packed_strides_of(k);
-  p.v_strides = packed_strides_of(v);
+  const bool pools = k.dim() == 4;
+  p.k_strides = pools ? strides_of(k) : packed_strides_of(k);
+  p.v_strides = pools ? strides_of(v) : packed_strides_of(v);
   p.o_strides = packed_strides_of(out);
   p.batch = int(batch);
   p.seqlen_q = int(max_seqlen_q);
   p.seqlen_k = int(max_seqlen_k);
   p.heads = int(q.size(1));
   p.head_dim = int(q.size(2));
-  p.heads_k = int(k.size(1));
+  p.heads_k = int(k.size(pools ? 2 : 1));
   p.cu_seqlens_q = cu_q;
   p.cu_seqlens_k = cu_k;
   p.seqused_q = index_ptr(seqused_q, "seqused_q", batch, q);
@@ -584,9 +595,26 @@ void fill_varlen(flash::FwdParams& p, const at::Tensor& q, const at::Tensor& k,
   fill_options(p, q, softmax_scale, f);
 }
 
+// A paged K / V: k and v (num_blocks, page_size, heads_k, hdim) pools, block_table int32
+// (batch, max_blocks) of page indices into them (common/params.h). Page indices are not read
+// on the host; the frontend checks the shapes.
+void set_pages(flash::FwdParams& p, const at::Tensor& block_table, int64_t batch,
+               const at::Tensor& k, const at::Tensor& q) {
+  TORCH_CHECK(block_table.is_cuda() && block_table.device() == q.device() &&
+                  block_table.scalar_type() == at::kInt && block_table.dim() == 2 &&
+                  block_table.size(0) == batch && block_table.stride(1) == 1,
+              "flash_attn: block_table must be an int32 CUDA tensor (batch, max_blocks) with a "
+              "contiguous last dim on q's device, got ", block_table.scalar_type(), " ",
+              shape(block_table.sizes()));
+  TORCH_CHECK(k.size(1) >= 1, "flash_attn: the page size must be >= 1");
+  p.block_table = block_table.data_ptr<int>();
+  p.block_table_stride = block_table.stride(0);
+  p.page_size = int(k.size(1));
+}
+
 // q (total_q, heads, hdim), k / v (total_k, heads_k, hdim); sequence b's rows start at
-// cu_seqlens[b] (common/params.h); out like q, lse (heads, total_q). Paged K/V is not in the
-// kernels yet.
+// cu_seqlens[b] (common/params.h), or with block_table paged pools (set_pages); out like q, lse
+// (heads, total_q).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const std::optional<at::Tensor>& seqused_q,
@@ -596,9 +624,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, double softcap, double dropout_p,
     const std::string& family, const std::string& tuning) {
-  check_packed_shapes(q, k, v);
-  TORCH_CHECK(!block_table.has_value() || !block_table->defined(),
-              "flash_attn: paged K/V (block_table) is not in this build's kernels");
+  const bool paged = block_table.has_value() && block_table->defined();
+  check_packed_shapes(q, k, v, paged);
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   TORCH_CHECK(batch >= 1, "flash_attn: cu_seqlens_q must hold batch + 1 >= 2 offsets");
   const int* cu_q = index_ptr(cu_seqlens_q, "cu_seqlens_q", batch + 1, q);
@@ -632,6 +659,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
   fill_varlen(p, q, k, v, out, lse, batch, cu_q, cu_k, seqused_q, seqused_k, max_seqlen_q,
               max_seqlen_k, softmax_scale,
               {causal, window_left, window_right, softcap, alibi_slopes, dropout_p});
+  if (paged) set_pages(p, *block_table, batch, k, q);
   set_rng_state(p, rng_state, q, family);
   kernel.fwd(p, kernel.hdim, parse_tuning(tuning), q);
   return result;
@@ -683,6 +711,130 @@ void varlen_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k
 
 // The keep-mask of the forward that wrote rng_state, for return_attn_probs and the tests:
 // (batch, heads, seqlen_q, seqlen_k) bool, True = kept. The same Philox draws as the kernels.
+// ---- KV cache (flash_attn/_ops.py run_kvcache_fwd) ---------------------------------------------
+
+// q (batch, seqlen_q, heads, hdim); the caches (batch_cache, capacity, heads_k, hdim), updated
+// in place with the new k / v (batch, seqlen_new, heads_k, hdim) at cache_seqlens (or the
+// int cache_seqlen for every sequence, -1: the cache is full); rotary on q and the new k.
+// Paged caches (block_table): pools (num_blocks, page_size, heads_k, hdim). num_splits: the
+// split-KV count (0: the plan's choice, fa2.h). Returns (out, lse (batch, heads, seqlen_q)).
+std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& rotary_cos, const std::optional<at::Tensor>& rotary_sin,
+    const std::optional<at::Tensor>& cache_seqlens, int64_t cache_seqlen,
+    const std::optional<at::Tensor>& cache_batch_idx,
+    const std::optional<at::Tensor>& cache_leftpad, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, bool rotary_interleaved,
+    int64_t num_splits, const std::string& family, const std::string& tuning) {
+  check_qkv_like(q, "q", q);
+  check_qkv_like(k_cache, "k_cache", q);
+  check_qkv_like(v_cache, "v_cache", q);
+  TORCH_CHECK(num_splits >= 0, "flash_attn: num_splits must be >= 0, got ", num(num_splits));
+  const int64_t batch = q.size(0), seqlen_q = q.size(1), heads = q.size(2), dim = q.size(3);
+  // Paged: the caches are (num_blocks, page_size, heads_k, hdim) pools.
+  const bool paged = block_table.has_value() && block_table->defined();
+  const int64_t capacity = paged ? block_table->size(1) * k_cache.size(1) : k_cache.size(1);
+  const int64_t heads_k = k_cache.size(2);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == dim && dim % 8 == 0 &&
+                  heads_k > 0 && heads % heads_k == 0,
+              "flash_attn: q ", shape(q.sizes()), ", k_cache ", shape(k_cache.sizes()),
+              ", v_cache ", shape(v_cache.sizes()), " do not fit together");
+  const bool append = k.has_value() && k->defined();
+  TORCH_CHECK(append == (v.has_value() && v->defined()), "flash_attn: k and v go together");
+  const int64_t seqlen_new = append ? k->size(1) : 0;
+  if (append) {
+    check_qkv_like(*k, "k", q);
+    check_qkv_like(*v, "v", q);
+    TORCH_CHECK(k->sizes() == v->sizes() && k->size(0) == batch && k->size(2) == heads_k &&
+                    k->size(3) == dim && seqlen_new <= capacity,
+                "flash_attn: k / v must be (batch, seqlen_new, heads_k, hdim) with seqlen_new "
+                "<= the cache's capacity, got ", shape(k->sizes()));
+  }
+  const int* cached = index_ptr(cache_seqlens, "cache_seqlens", batch, q);
+  const int* rows = index_ptr(cache_batch_idx, "cache_batch_idx", batch, q);
+  const int* leftpad = index_ptr(cache_leftpad, "cache_leftpad", batch, q);
+  TORCH_CHECK(!paged || (rows == nullptr && leftpad == nullptr),
+              "flash_attn: a paged cache takes neither cache_batch_idx nor cache_leftpad");
+  TORCH_CHECK(paged || rows != nullptr || k_cache.size(0) == batch, "flash_attn: k_cache has ",
+              num(k_cache.size(0)), " rows for a batch of ", num(batch),
+              " and no cache_batch_idx");
+  const int cached_all = int(cache_seqlen < 0 ? capacity - seqlen_new : cache_seqlen);
+  TORCH_CHECK(cached != nullptr || (cached_all >= 0 && cached_all + seqlen_new <= capacity),
+              "flash_attn: cache_seqlen ", num(cache_seqlen), " with ", num(seqlen_new),
+              " new tokens does not fit a cache of ", num(capacity));
+  const bool rotary = rotary_cos.has_value() && rotary_cos->defined();
+
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
+  if (batch == 0 || seqlen_q == 0) return {out, lse};
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const Kernel& kernel = find_kernel(family, "fwd", dtype_name(q), int(dim), device_info(q).arch);
+  flash::FwdParams p;
+  if (paged) set_pages(p, *block_table, batch, k_cache, q);
+
+  // 2.x rotates q row i at cached + i when the call is causal or local, else every row at
+  // cached (the frontend has made a window side past the cache unbounded).
+  at::Tensor q_attn = q;
+  if (append || rotary) {
+    flash::KvcachePrep prep;
+    prep.bf16 = q.scalar_type() == at::kBFloat16;
+    prep.batch = int(batch);
+    prep.seqlen_q = int(seqlen_q);
+    prep.seqlen_new = int(seqlen_new);
+    prep.heads = int(heads);
+    prep.heads_k = int(heads_k);
+    prep.head_dim = int(dim);
+    if (rotary) {
+      q_attn = at::empty(q.sizes(), q.options());
+      prep.q = q.data_ptr();
+      prep.q_out = q_attn.data_ptr();
+      prep.q_strides = strides_of(q);
+      prep.q_out_strides = strides_of(q_attn);
+      prep.rotary_cos = rotary_cos->data_ptr();
+      prep.rotary_sin = rotary_sin->data_ptr();
+      prep.rotary_half = int(rotary_cos->size(1));
+      prep.seqlen_ro = int(rotary_cos->size(0));
+      prep.interleaved = rotary_interleaved;
+      prep.q_per_row = causal || window_left >= 0 || window_right >= 0;
+    }
+    if (append) {
+      prep.k_new = k->data_ptr();
+      prep.v_new = v->data_ptr();
+      prep.k_new_strides = strides_of(*k);
+      prep.v_new_strides = strides_of(*v);
+    }
+    prep.k_cache = k_cache.data_ptr();
+    prep.v_cache = v_cache.data_ptr();
+    prep.k_cache_strides = strides_of(k_cache);
+    prep.v_cache_strides = strides_of(v_cache);
+    prep.capacity = int(capacity);
+    prep.block_table = p.block_table;
+    prep.block_table_stride = p.block_table_stride;
+    prep.page_size = p.page_size;
+    prep.cache_batch_idx = rows;
+    prep.cache_seqlens = cached;
+    prep.cache_seqlen = cached_all;
+    flash::launch_kvcache_prep(prep, stream);
+  }
+
+  fill_fwd(p, q_attn, k_cache, v_cache, out, lse, softmax_scale,
+           {causal, window_left, window_right, softcap, alibi_slopes, 0.0});
+  p.seqlen_k = int(capacity);  // fill_fwd read a paged pool's page size there
+  p.kv_cache = true;
+  p.cache_seqlens = cached;
+  p.cache_seqlen = cached_all;
+  p.seqlen_new = int(seqlen_new);
+  p.cache_batch_idx = rows;
+  p.cache_leftpad = leftpad;
+  p.splits_requested = int(std::min<int64_t>(num_splits, 1 << 20));
+  p.rng_state = nullptr;
+  kernel.fwd(p, kernel.hdim, parse_tuning(tuning), q);
+  return {out, lse};
+}
+
 at::Tensor dropout_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
                         int64_t seqlen_q, int64_t seqlen_k, double dropout_p) {
   check_rng_state(rng_state, rng_state);  // (its own device: only the CUDA and layout checks)
@@ -752,6 +904,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("alibi_slopes"), py::arg("softmax_scale"), py::arg("causal"),
         py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
         py::arg("dropout_p"), py::arg("deterministic"), py::arg("family"),
+        py::arg("tuning") = "");
+  m.def("kvcache_fwd", &kvcache_fwd,
+        "attention over a KV cache, the new k / v written into it first: (out, lse)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"),
+        py::arg("rotary_cos"), py::arg("rotary_sin"), py::arg("cache_seqlens"),
+        py::arg("cache_seqlen"), py::arg("cache_batch_idx"), py::arg("cache_leftpad"),
+        py::arg("block_table"), py::arg("alibi_slopes"), py::arg("softmax_scale"),
+        py::arg("causal"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+        py::arg("rotary_interleaved"), py::arg("num_splits"), py::arg("family"),
         py::arg("tuning") = "");
   m.def("dropout_mask", &dropout_mask,
         "(batch, heads, seqlen_q, seqlen_k) bool keep-mask of the forward that wrote rng_state",

@@ -125,6 +125,45 @@ __device__ __forceinline__ void copy_async_wait() {
 #endif
 }
 
+// sm90 bulk copies (the TMA unit, no tensor map): `bytes` (a multiple of 16, both addresses
+// 16-byte aligned) global -> shared, completing on an mbarrier's transaction count. The copies
+// of a stage are counted first: bulk_expect(bar, total) arrives once on a barrier initialised
+// with count 1; bulk_wait(bar, parity) waits for that phase (one per use of the stage).
+__device__ __forceinline__ void bulk_barrier_init(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_expect(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+               ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t bytes,
+                                          uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      ::"r"(smem_addr(smem)), "l"(gmem), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n.reg .pred done;\nwait%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+#endif
+}
+// Orders this thread's generic-proxy shared-memory writes before later bulk copies' writes.
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 // Reductions over the 4 lanes (a "quad") that share one accumulator row.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));

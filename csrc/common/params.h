@@ -44,6 +44,30 @@ struct FwdParams {
   const int* seqused_q = nullptr;
   const int* seqused_k = nullptr;
   int total_q = 0, total_k = 0;  // variable-length: the packed tensors' rows
+  // KV cache (flash_attn_with_kvcache, kv_cache set): k / v are the caches (batch_cache,
+  // capacity, heads_k, head_dim) with seqlen_k the capacity; sequence b reads cache row
+  // cache_batch_idx[b] (nullptr: b), keys [cache_leftpad[b] (nullptr: 0), cached + seqlen_new),
+  // cached = cache_seqlens[b] (nullptr: cache_seqlen). The new keys are already in the cache
+  // (common/kvcache_prep.h).
+  bool kv_cache = false;
+  // Paged K / V (block_table set; variable-length or KV cache): k / v are pools (num_blocks,
+  // page_size, heads_k, head_dim) with Strides::batch a page; key j of sequence b is row
+  // j % page_size of page block_table[b * block_table_stride + j / page_size].
+  const int* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int page_size = 0;
+  // Split-KV (fa2's forward over a KV cache): split s = blockIdx.y of num_splits takes its share
+  // of each item's key tiles and writes O / l and the lse in fp32 to o_accum (num_splits,
+  // batch, heads, seqlen_q, head_dim) and lse_accum (num_splits, batch, heads, seqlen_q), -inf
+  // where it saw no key; a combine kernel writes out and lse. splits_requested: the call's
+  // num_splits (0: automatic), read by the plan; the launcher sets the rest.
+  int splits_requested = 0, num_splits = 1;
+  float* o_accum = nullptr;
+  float* lse_accum = nullptr;
+  const int* cache_seqlens = nullptr;
+  const int* cache_batch_idx = nullptr;
+  const int* cache_leftpad = nullptr;
+  int cache_seqlen = 0, seqlen_new = 0;
   int head_dim = 0;  // the real head dim (<= the kernel's kHeadDim)
 
   float softmax_scale = 0.f;       // applied to q.k

@@ -23,7 +23,12 @@ struct SeqInfo {
     return p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[batch] : 0;
   }
   __host__ __device__ int k_start(const FwdParams& p) const {
-    return p.cu_seqlens_q != nullptr ? p.cu_seqlens_k[batch] : 0;
+    if (p.cu_seqlens_q != nullptr) return p.cu_seqlens_k[batch];
+    return p.cache_leftpad != nullptr ? p.cache_leftpad[batch] : 0;
+  }
+  // The batch index of the sequence's k / v: a KV cache's row (cache_batch_idx).
+  __host__ __device__ int k_batch(const FwdParams& p) const {
+    return p.cache_batch_idx != nullptr ? p.cache_batch_idx[batch] : batch;
   }
   // Rows of q / out the sequence has in the packed tensors (variable-length: past seqused_q,
   // rows that take no part, written as 0 with lse +inf); dense: seqlen_q.
@@ -42,9 +47,15 @@ struct SeqInfo {
                                   : p.cu_seqlens_q[batch + 1] - p.cu_seqlens_q[batch];
   }
   __host__ __device__ int seqlen_k(const FwdParams& p) const {
-    if (p.cu_seqlens_q == nullptr) return p.seqlen_k;
-    return p.seqused_k != nullptr ? p.seqused_k[batch]
-                                  : p.cu_seqlens_k[batch + 1] - p.cu_seqlens_k[batch];
+    if (p.cu_seqlens_q != nullptr) {
+      return p.seqused_k != nullptr ? p.seqused_k[batch]
+                                    : p.cu_seqlens_k[batch + 1] - p.cu_seqlens_k[batch];
+    }
+    if (!p.kv_cache) return p.seqlen_k;
+    const int cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_seqlen;
+    // Clamped to the cache: a tensor cache_seqlens is never checked on the host.
+    const int end = cached + p.seqlen_new;
+    return (end < 0 ? 0 : end > p.seqlen_k ? p.seqlen_k : end) - k_start(p);
   }
 
   // Element offsets of the sequence's row 0 in `head` of q, k, v, out.
@@ -52,13 +63,27 @@ struct SeqInfo {
     return row0(p.q_strides, head, q_start(p));
   }
   __host__ __device__ int64_t k_offset(const FwdParams& p, int head_k) const {
-    return row0(p.k_strides, head_k, k_start(p));
+    return row0(p.k_strides, head_k, k_start(p), k_batch(p));
   }
   __host__ __device__ int64_t v_offset(const FwdParams& p, int head_k) const {
-    return row0(p.v_strides, head_k, k_start(p));
+    return row0(p.v_strides, head_k, k_start(p), k_batch(p));
   }
   __host__ __device__ int64_t o_offset(const FwdParams& p, int head) const {
     return row0(p.o_strides, head, q_start(p));
+  }
+  // Paged K / V: the element offset of key j of the sequence in head_k of a pool with strides
+  // s (k_offset / v_offset do not apply: a sequence's keys are not one run of rows).
+  __device__ int64_t paged_row(const FwdParams& p, const Strides& s, int head_k, int j) const {
+    const PagedKey at = paged_key(p, j);
+    return at.page * s.batch + at.row * s.row + head_k * s.head;
+  }
+  // The same as (page, row in the page): K and V share it, their strides differ.
+  struct PagedKey {
+    int page, row;
+  };
+  __device__ PagedKey paged_key(const FwdParams& p, int j) const {
+    const int i = j / p.page_size;
+    return {p.block_table[batch * p.block_table_stride + i], j - i * p.page_size};
   }
   // Index of the sequence's row 0 in `head` of the lse: (batch, heads, seqlen_q) dense,
   // (heads, total_q) variable-length.
@@ -108,24 +133,27 @@ struct SeqInfo {
   // sequence's lengths itself.
   template <class Tensor>
   __host__ __device__ auto q_rows(const FwdParams& p, Tensor const& m, int head) const {
-    return view_slice(p, m, head, q_start(p));
+    return view_slice(p, m, head, q_start(p), batch);
   }
   template <class Tensor>
   __host__ __device__ auto k_rows(const FwdParams& p, Tensor const& m, int head_k) const {
-    return view_slice(p, m, head_k, k_start(p));
+    return view_slice(p, m, head_k, k_start(p), k_batch(p));
   }
 
  private:
   template <class Tensor>
-  __host__ __device__ auto view_slice(const FwdParams& p, Tensor const& m, int head,
-                                      int start) const {
+  __host__ __device__ auto view_slice(const FwdParams& p, Tensor const& m, int head, int start,
+                                      int b) const {
     return cute::domain_offset(cute::make_coord(start, 0),
-                               m(cute::_, cute::_, head, p.cu_seqlens_q != nullptr ? 0 : batch));
+                               m(cute::_, cute::_, head, p.cu_seqlens_q != nullptr ? 0 : b));
   }
-  // Dense: the sequence starts a batch stride in; variable-length: `start` rows in (the batch
-  // stride is 0).
+  // Dense: the sequence starts a batch stride in (k / v of a KV cache: its cache row's, from
+  // its left padding on); variable-length: `start` rows in (the batch stride is 0).
   __host__ __device__ int64_t row0(const Strides& s, int head, int start) const {
-    return batch * s.batch + head * s.head + start * s.row;
+    return row0(s, head, start, batch);
+  }
+  __host__ __device__ int64_t row0(const Strides& s, int head, int start, int b) const {
+    return b * s.batch + head * s.head + start * s.row;
   }
 };
 

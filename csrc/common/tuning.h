@@ -19,6 +19,8 @@ struct Tuning {
   int fa2_dq_bulk = -1;   // 0: per-fragment dQ reductions on sm90 too (sm80's path)
   int fa2_dq_defer = -1;  // 0: a dQ tile's reductions after its GEMM (the deterministic path)
   int fa2_pdl = -1;       // 0: plain launches on sm90 too (other GPUs' chain)
+  // fa2 forward (fa2/fa2.h, plan_fwd)
+  int fa2_decode = -1;    // 0: the forward's kernel for short-query KV-cache calls too
   // fa2 and fa3: heads per group of the tile order (common/tile_order.h); 0: automatic
   int head_group = 0;
   // fa1 forward: query tiles one block walks; 0: automatic

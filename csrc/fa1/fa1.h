@@ -28,6 +28,7 @@ inline const char* fwd_unsupported(const FwdParams& p) {
            "runs them";
   }
   if (p.cu_seqlens_q != nullptr) return "fa1 has no variable-length batches; fa2 runs them";
+  if (p.kv_cache) return "fa1 has no KV-cache kernels; fa2 runs them";
   return nullptr;
 }
 inline const char* bwd_unsupported(const BwdParams& p) { return fwd_unsupported(p); }

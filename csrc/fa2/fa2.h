@@ -1,5 +1,6 @@
 // FA2 entry points: what the API layer calls, the same host interface as every family's:
-//   fwd_unsupported(params) / bwd_unsupported   nullptr: FA2 runs every FwdParams feature
+//   fwd_unsupported(params) / bwd_unsupported   nullptr: FA2 runs every FwdParams feature but
+//                                               paged K/V with dropout
 //   plan_fwd(params, hdim, tuning) / plan_bwd    the call's plan, with its workspace_bytes
 //   run_fwd<T, hdim>(params, plan, stream) / run_bwd
 // Instantiated per (element type, head dim) by the generated files in csrc/generated/.
@@ -7,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common/params.h"
@@ -14,7 +16,11 @@
 
 namespace flash::fa2 {
 
-inline const char* fwd_unsupported(const FwdParams&) { return nullptr; }
+inline const char* fwd_unsupported(const FwdParams& p) {
+  return p.block_table != nullptr && p.dropout_p > 0.f
+             ? "fa2 has no paged K/V kernels with dropout (paged K/V is an inference layout)"
+             : nullptr;
+}
 inline const char* bwd_unsupported(const BwdParams&) { return nullptr; }
 
 // Rows of the per-row backward scratch (D, dQ accumulator) are padded to this.
@@ -31,9 +37,39 @@ constexpr int kSm86SmemBytes = 99 * 1024;
 // counter per tile of this height, enough for any of them).
 constexpr int kBwdMinBlockM = 64;
 
+// The forward's tile (query rows, keys) per kernel head dim: fa2_tiles.h's FwdTile asserts it;
+// the plan sizes split-KV with it.
+constexpr int fwd_block_m(int kernel_hdim) { return kernel_hdim == 256 ? 64 : 128; }
+constexpr int fwd_block_n(int kernel_hdim) { return kernel_hdim <= 64 ? 128 : 64; }
+
+// The decode kernel (fa2_decode_kernel.cuh), for KV-cache calls with a short query: one warp
+// per (sequence, KV head, split) holds the query rows of every query head of that KV head,
+// packed into the 16 rows of one MMA tile, and streams K / V through kDecodeStages buffers of
+// decode_block_n keys (K and V about 16 KB a stage at any head dim). Rows are padded by 16 bytes
+// in shared memory (no swizzle: the padding alone spreads the 8 rows of an ldmatrix over all
+// banks, for any head dim).
+constexpr int kDecodeRows = 16;
+constexpr int kDecodeStages = 3;
+constexpr int decode_block_n(int kernel_hdim) {
+  return kernel_hdim <= 64 ? 64 : kernel_hdim <= 128 ? 32 : 16;
+}
+constexpr int decode_smem_bytes(int kernel_hdim) {  // tiles, then one mbarrier per stage
+  return (kDecodeRows + 2 * kDecodeStages * decode_block_n(kernel_hdim)) * (kernel_hdim + 8) * 2 +
+         8 * kDecodeStages;
+}
+// Calls over a KV cache (not variable-length, no dropout) whose query rows per KV head fit the
+// tile: seqlen_q * heads / heads_k <= 16 (one-token decode up to 16 query heads per KV head,
+// speculative decoding with a few tokens).
+inline bool decode_fits(const FwdParams& p) {
+  return p.kv_cache && p.cu_seqlens_q == nullptr && p.dropout_p == 0.f &&
+         int64_t(p.seqlen_q) * (p.heads / p.heads_k) <= kDecodeRows;
+}
+
 struct FwdPlan {
-  int64_t workspace_bytes = 0;  // none
+  int64_t workspace_bytes = 0;  // split-KV's accumulators (params.o_accum, lse_accum), else 0
   int head_group = 0;           // the tile order's heads per group; 0: automatic
+  int num_splits = 1;
+  bool decode = false;          // the decode kernel (decode_fits), else the forward's
 };
 
 // Backward scratch, laid out by the launcher (fa2_bwd_launch.cuh), rows_pad = round_up(seqlen_q,
@@ -54,8 +90,50 @@ struct BwdPlan {
   int head_group = 0;
 };
 
-inline FwdPlan plan_fwd(const FwdParams&, int, const Tuning& tuning = {}) {
-  return {0, tuning.head_group};
+// Split-KV, for calls over a KV cache (dense calls keep their kernels as they are): the
+// call's num_splits, or automatically enough splits to fill the SMs once when the items do
+// not, each with four key tiles or more; at most 128 and the cache's key tiles.
+inline int fwd_splits(const FwdParams& p, int kernel_hdim) {
+  if (!p.kv_cache || p.cu_seqlens_q != nullptr || p.dropout_p > 0.f) return 1;
+  const int64_t items = (p.seqlen_q + fwd_block_m(kernel_hdim) - 1) / fwd_block_m(kernel_hdim) *
+                        p.batch * p.heads;
+  const int64_t tiles = (p.seqlen_k + fwd_block_n(kernel_hdim) - 1) / fwd_block_n(kernel_hdim);
+  int64_t splits = p.splits_requested;
+  if (splits <= 0) {
+    splits = items >= p.num_sms ? 1 : std::min<int64_t>((p.num_sms + items - 1) / items, tiles / 4);
+  }
+  return int(std::max<int64_t>(1, std::min<int64_t>({splits, tiles, 128})));
+}
+
+// The decode kernel's split-KV: the call's num_splits, or as many splits as one wave of
+// blocks holds (every SM with as many of them as fit), each with four key tiles or more; at
+// most 128 and the cache's key tiles. Rounded down: a wave and a fraction of one ran at the
+// speed of two (H200, batch 8 and 32 at 8k, 9 and 3 splits: 1.09 and 1.45 waves, 1.6 and 2.2
+// TB/s where batch 128, one split, read 3.1). Shared memory per SM: sm90 228 KB, sm80 / sm87
+// 164 KB, sm86 / sm89 100 KB, less 1 KB per block.
+inline int decode_splits(const FwdParams& p, int kernel_hdim) {
+  const int64_t items = int64_t(p.batch) * p.heads_k;
+  const int64_t tiles = (p.seqlen_k + decode_block_n(kernel_hdim) - 1) / decode_block_n(kernel_hdim);
+  int64_t splits = p.splits_requested;
+  if (splits <= 0) {
+    const int64_t sm_bytes = (p.arch == 90 ? 228 : p.arch == 80 || p.arch == 87 ? 164 : 100) * 1024;
+    const int64_t per_sm = std::max<int64_t>(1, sm_bytes / (decode_smem_bytes(kernel_hdim) + 1024));
+    const int64_t slots = per_sm * std::max(p.num_sms, 1);
+    splits = std::min<int64_t>(slots / items, tiles / 4);
+  }
+  return int(std::max<int64_t>(1, std::min<int64_t>({splits, tiles, 128})));
+}
+
+inline FwdPlan plan_fwd(const FwdParams& p, int kernel_hdim, const Tuning& tuning = {}) {
+  FwdPlan plan;
+  plan.head_group = tuning.head_group;
+  plan.decode = tuning.fa2_decode != 0 && decode_fits(p);
+  plan.num_splits = plan.decode ? decode_splits(p, kernel_hdim) : fwd_splits(p, kernel_hdim);
+  if (plan.num_splits > 1) {
+    const int64_t rows = int64_t(plan.num_splits) * p.batch * p.heads * p.seqlen_q;
+    plan.workspace_bytes = rows * (p.head_dim + 1) * 4;
+  }
+  return plan;
 }
 
 inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tuning = {}) {

@@ -56,9 +56,20 @@ struct FwdTraits {
   static constexpr int kRowsPerThread = 2 * kBlockM / (16 * kWarps);  // rowcol rows per thread
 };
 
-template <class Tr>
+// Split s of `splits`' share of a sequence's n key tiles, cut from t (the tiles the rows see).
+__device__ __forceinline__ KeyTiles split_share(KeyTiles t, int s, int splits, int n) {
+  const int per = (n + splits - 1) / splits;
+  t.begin = max(t.begin, s * per);
+  t.end = min(t.end, (s + 1) * per);
+  if (t.end <= t.begin) return KeyTiles{};
+  t.unmasked_begin = min(max(t.unmasked_begin, t.begin), t.end);
+  t.unmasked_end = min(max(t.unmasked_end, t.unmasked_begin), t.end);
+  return t;
+}
+
+template <class Tr, bool kKvCache>
 __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_block,
-                                         const SeqInfo& seq, int head, int head_k) {
+                                         const SeqInfo& seq, int head, int head_k, int split) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   const int tid = threadIdx.x;
@@ -66,8 +77,10 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
 
   const Mask mask(p, seq);
   // Variable-length: a tile past the sequence's used rows (seqused_q) sees no key.
-  const KeyTiles tiles =
-      row0 < seq.seqlen_q(p) ? mask.key_tiles<kBlockM, kBlockN>(row0) : KeyTiles{};
+  KeyTiles tiles = row0 < seq.seqlen_q(p) ? mask.key_tiles<kBlockM, kBlockN>(row0) : KeyTiles{};
+  if (kKvCache && p.num_splits > 1) {
+    tiles = split_share(tiles, split, p.num_splits, (mask.seqlen_k + kBlockN - 1) / kBlockN);
+  }
 
   // ---- global tensors of this sequence and head --------------------------------------------
   auto rows = [](auto* base, int64_t offset, const Strides& s, int seqlen) {
@@ -111,10 +124,16 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
 
   // The loop reads the lengths the mask holds: re-reading a variable-length batch's from
-  // cu_seqlens would put a global load before every tile's copies.
-  auto load_kv = [&](auto& tG, auto& tS, int n) __attribute__((always_inline)) {
+  // cu_seqlens would put a global load before every tile's copies. A paged K / V (kKvCache
+  // kernels only) gathers each row through the block table (x: p.k or p.v, with its strides).
+  auto load_kv = [&](auto& tG, auto& tS, int n, const void* x, const Strides& xs)
+      __attribute__((always_inline)) {
     const int valid = mask.seqlen_k - n * kBlockN;
-    if (valid < kBlockN) {
+    if (kKvCache && p.block_table != nullptr) {
+      const Element* base = static_cast<const Element*>(x);
+      auto row_ptr = [&](int r) { return base + seq.paged_row(p, xs, head_k, n * kBlockN + r); };
+      copy_rows(gmem_load, tG(_, _, _, n), tS, tKcK, row_ptr, valid, p.head_dim);
+    } else if (valid < kBlockN) {
       copy_tile<true>(gmem_load, tG(_, _, _, n), tS, tKcK, valid, p.head_dim);
     } else {
       copy_tile<false>(gmem_load, tG(_, _, _, n), tS, tKcK, kBlockN, p.head_dim);
@@ -155,14 +174,14 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
     copy_tile<true>(gmem_load, tQgQ, tQsQ, tQcQ, mask.seqlen_q - row0, p.head_dim);
     const int first_stage = Tr::kStages == 2 ? (tiles.end - 1) & 1 : 0;
     Tensor tKsK_first = stage(tKsK, first_stage);
-    load_kv(tKgK, tKsK_first, tiles.end - 1);
+    load_kv(tKgK, tKsK_first, tiles.end - 1, p.k, p.k_strides);
     if constexpr (Tr::kStages == 2) {
       Tensor tVsV_first = stage(tVsV, first_stage);
-      load_kv(tVgV, tVsV_first, tiles.end - 1);
+      load_kv(tVgV, tVsV_first, tiles.end - 1, p.v, p.v_strides);
     }
     cp_async_fence();
     if (Tr::kStages == 1) {  // a group of its own: the first QK^T waits for Q, K only
-      load_kv(tVgV, tVsV, tiles.end - 1);
+      load_kv(tVgV, tVsV, tiles.end - 1, p.v, p.v_strides);
       cp_async_fence();
     }
 
@@ -176,8 +195,8 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
         if (n > tiles.begin) {
           Tensor tKsK_next = stage(tKsK, cur ^ 1);
           Tensor tVsV_next = stage(tVsV, cur ^ 1);
-          load_kv(tKgK, tKsK_next, n - 1);
-          load_kv(tVgV, tVsV_next, n - 1);
+          load_kv(tKgK, tKsK_next, n - 1, p.k, p.k_strides);
+          load_kv(tVgV, tVsV_next, n - 1, p.v, p.v_strides);
           cp_async_fence();
         }
       } else if (decltype(first)::value) {
@@ -186,7 +205,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
       } else {
         cp_async_wait<0>();
         __syncthreads();  // K[n] landed; every warp is done with V[n+1]
-        load_kv(tVgV, tVsV, n);
+        load_kv(tVgV, tVsV, n, p.v, p.v_strides);
         cp_async_fence();
       }
 
@@ -199,7 +218,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
         cp_async_wait<0>();
         __syncthreads();  // V[n] landed; every warp is done with K[n]
         if (n > tiles.begin) {
-          load_kv(tKgK, tKsK, n - 1);
+          load_kv(tKgK, tKsK, n - 1, p.k, p.k_strides);
           cp_async_fence();
         }
       }
@@ -240,6 +259,26 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
     }
   }
 
+  if (kKvCache && p.num_splits > 1) {
+    // Split-KV: this split's O / l and lse in fp32, -inf for a row that saw no key here (the
+    // combine kernel weighs the splits by their lse).
+    const int64_t row_base =
+        ((int64_t(split) * p.batch + seq.batch) * p.heads + head) * int64_t(p.seqlen_q);
+#pragma unroll
+    for (int mi = 0; mi < Tr::kRowsPerThread; ++mi) {
+      const int row = row0 + get<0>(tOcO_rc(mi, 0));
+      if (row >= mask.seqlen_q) continue;
+      float* o = p.o_accum + (row_base + row) * p.head_dim;
+#pragma unroll
+      for (int ni = 0; ni < size<1>(acc_o_rc); ++ni) {
+        const int col = get<1>(tOcO_rc(mi, ni));
+        if (col < p.head_dim) o[col] = acc_o_rc(mi, ni);
+      }
+      if (get<1>(tOcO(0)) == 0) p.lse_accum[row_base + row] = lse[mi] == INFINITY ? -INFINITY : lse[mi];
+    }
+    return;
+  }
+
   Tensor rO = convert_fragment<Element>(acc_o);
   Tensor sO = make_tensor(sQ.data(), typename Tr::SmemQ{});  // (BM, hdim)
   auto smem_store = make_tiled_copy_C(typename Tr::L::AccStoreAtom{}, mma);
@@ -273,7 +312,11 @@ __device__ __forceinline__ void fwd_tile(const FwdParams& p, char* smem, int m_b
   store_tile(gmem_store, tOrO, tOgO, tOcO_store, rows_q - row0, p.head_dim);
 }
 
-template <class Tr>
+// kKvCache: the kernels of calls over a KV cache or a paged K / V (params.kv_cache,
+// block_table), with the page gather and split-KV's epilogue: a template flag, as their code
+// cost the dense kernels (ptxas, sm_90a, hdim 128: the gather +36% instructions in the hot
+// loop; the split epilogue 88 / 160 -> 92 / 284 B of spills and +5% in the loop).
+template <class Tr, bool kKvCache>
 __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant__ FwdParams p,
                                                            const TileOrder order) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -285,7 +328,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
     const SeqInfo seq(p, w.batch);
     // Variable-length: the grid covers the longest sequence; a shorter one ends earlier.
     if (m_block * Tr::kBlockM >= seq.rows_q(p)) continue;
-    fwd_tile<Tr>(p, smem, m_block, seq, w.head, w.head_k);
+    fwd_tile<Tr, kKvCache>(p, smem, m_block, seq, w.head, w.head_k, int(blockIdx.y));
     __syncthreads();  // the next tile's loads overwrite shared memory
   }
   if constexpr (Tr::kDropout) {

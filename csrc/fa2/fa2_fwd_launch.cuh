@@ -7,17 +7,94 @@
 
 #include "common/check.h"
 #include "fa2/fa2.h"
+#include "fa2/fa2_decode_kernel.cuh"
 #include "fa2/fa2_fwd_kernel.cuh"
 
 namespace flash::fa2 {
 
-template <class Tr>
-void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
+// Split-KV's merge of the splits (FwdParams::o_accum): one block per (batch, head, query row),
+// lse = log sum_s exp(lse_s) and out = sum_s exp(lse_s - lse) O_s; a row no split saw a key
+// for gets zeros and lse +inf. Warp 0 turns the splits' lse into weights, then each thread
+// sums its columns over the splits, the loads independent (a decode step's latency: a serial
+// chain of them cost more than the attention at batch 1). Dense (batch, seqlen_q, heads) rows
+// only (fa2.h).
+template <typename T>
+__global__ void __launch_bounds__(128) combine_splits_kernel(const __grid_constant__ FwdParams p) {
+  __shared__ float weight[128];  // num_splits <= 128 (fa2.h)
+  const int64_t rows = int64_t(p.batch) * p.heads * p.seqlen_q;
+  const int64_t r = blockIdx.x;  // (batch, head, row) as lse's
+  const int i = int(r % p.seqlen_q), h = int(r / p.seqlen_q % p.heads);
+  const int b = int(r / p.seqlen_q / p.heads);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float m = -INFINITY;
+    for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, p.lse_accum[s * rows + r]);
+    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float sum = 0.f;
+    for (int s = lane; m != -INFINITY && s < p.num_splits; s += 32) {
+      sum += expf(p.lse_accum[s * rows + r] - m);
+    }
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float lse = m == -INFINITY ? INFINITY : m + logf(sum);
+    for (int s = lane; s < p.num_splits; s += 32) {
+      const float l = p.lse_accum[s * rows + r];
+      weight[s] = l == -INFINITY ? 0.f : expf(l - lse);
+    }
+    if (lane == 0) p.lse[r] = lse;
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.o) + b * p.o_strides.batch + i * p.o_strides.row +
+           h * p.o_strides.head;
+  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    float acc = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < p.num_splits; ++s) acc += weight[s] * p.o_accum[(s * rows + r) * p.head_dim + d];
+    out[d] = T(acc);
+  }
+}
+
+// The split-KV accumulators in the plan's workspace (fa2.h).
+inline FwdParams with_splits(const FwdParams& call, const FwdPlan& plan) {
+  FwdParams p = call;
+  if (plan.num_splits > 1) {
+    const int64_t rows = int64_t(plan.num_splits) * p.batch * p.heads * p.seqlen_q;
+    p.num_splits = plan.num_splits;
+    p.lse_accum = static_cast<float*>(p.workspace);
+    p.o_accum = p.lse_accum + rows;
+  }
+  return p;
+}
+
+template <typename T>
+void launch_combine(const FwdParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.batch) * p.heads * p.seqlen_q;
+  combine_splits_kernel<T><<<unsigned(rows), 128, 0, stream>>>(p);
+  FLASH_CHECK_LAUNCH();
+}
+
+template <typename T, int kHeadDim>
+void launch_decode(const FwdParams& call, const FwdPlan& plan, cudaStream_t stream) {
+  const FwdParams p = with_splits(call, plan);
+  using Tr = DecodeTraits<T, kHeadDim>;
+  auto kernel = decode_kernel<T, kHeadDim>;
+  if (Tr::kSmemBytes > 48 * 1024) {
+    FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          Tr::kSmemBytes));
+  }
+  const dim3 grid(unsigned(int64_t(p.batch) * p.heads_k), unsigned(p.num_splits));
+  kernel<<<grid, 32, Tr::kSmemBytes, stream>>>(p);
+  FLASH_CHECK_LAUNCH();
+  if (p.num_splits > 1) launch_combine<T>(p, stream);
+}
+
+template <class Tr, bool kKvCache>
+void launch_fwd(const FwdParams& call, const FwdPlan& plan, cudaStream_t stream) {
+  const FwdParams p = with_splits(call, plan);
   const int m_blocks = int((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM);
   // A query tile reads its KV head's K and V, shared by heads_per_kv query heads.
   const int heads_per_kv = p.heads / p.heads_k;
   const int64_t kv_bytes = int64_t(p.seqlen_k) * Tr::kHeadDim * 2 * sizeof(typename Tr::Element);
-  auto kernel = fwd_kernel<Tr>;
+  auto kernel = fwd_kernel<Tr, kKvCache>;
   if (Tr::kSmemBytes > 48 * 1024) {
     FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Tr::kSmemBytes));
@@ -26,12 +103,15 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
       tile_order(m_blocks, p.batch, p.heads, heads_per_kv, kv_bytes / heads_per_kv, p.l2_bytes,
                  resident_blocks(kernel, Tr::kThreads, Tr::kSmemBytes, p.num_sms),
                  plan.head_group);
-  kernel<<<order.grid(), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, order);
+  kernel<<<dim3(order.grid(), p.num_splits), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, order);
   FLASH_CHECK_LAUNCH();
+  if constexpr (kKvCache) {
+    if (p.num_splits > 1) launch_combine<typename Tr::Element>(p, stream);
+  }
 }
 
 // Two K/V stages where the device's shared memory holds them, else one (FwdTile).
-template <typename T, int kHeadDim, bool kDropout, bool kScoreMod>
+template <typename T, int kHeadDim, bool kDropout, bool kScoreMod, bool kKvCache>
 void launch_fwd_stages(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   constexpr int kStages = FwdTile<kHeadDim>::kStages;
   using Table = FwdTraits<T, kHeadDim, kStages, kDropout, kScoreMod>;
@@ -41,31 +121,36 @@ void launch_fwd_stages(const FwdParams& p, const FwdPlan& plan, cudaStream_t str
     FLASH_CHECK_CUDA(
         cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     if (Table::kSmemBytes > max_smem) {
-      launch_fwd<FwdTraits<T, kHeadDim, 1, kDropout, kScoreMod>>(p, plan, stream);
+      launch_fwd<FwdTraits<T, kHeadDim, 1, kDropout, kScoreMod>, kKvCache>(p, plan, stream);
       return;
     }
   }
-  launch_fwd<Table>(p, plan, stream);
+  launch_fwd<Table, kKvCache>(p, plan, stream);
 }
 
-template <typename T, int kHeadDim, bool kDropout>
+template <typename T, int kHeadDim, bool kDropout, bool kKvCache>
 void launch_fwd_variant(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
-    launch_fwd_stages<T, kHeadDim, kDropout, true>(p, plan, stream);
+    launch_fwd_stages<T, kHeadDim, kDropout, true, kKvCache>(p, plan, stream);
   } else {
-    launch_fwd_stages<T, kHeadDim, kDropout, false>(p, plan, stream);
+    launch_fwd_stages<T, kHeadDim, kDropout, false, kKvCache>(p, plan, stream);
   }
 }
 
 template <typename T, int kHeadDim>
 void run_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
-  // Dropout and the score mods (softcap, ALiBi) are template flags: their state and code cost
-  // registers, and the loop's instruction footprint, that the plain kernel should not carry.
-  // Masks and windows are runtime fields.
-  if (params.dropout_p > 0.f) {
-    launch_fwd_variant<T, kHeadDim, true>(params, plan, stream);
+  // Dropout, the score mods (softcap, ALiBi) and the KV-cache kernels (page gather, split-KV)
+  // are template flags: their state and code cost registers, and the loop's instruction
+  // footprint, that the plain kernel should not carry. Masks and windows are runtime fields.
+  // Paged K / V comes without dropout (an inference layout; fwd_unsupported).
+  if (plan.decode) {
+    launch_decode<T, kHeadDim>(params, plan, stream);
+  } else if (params.kv_cache || params.block_table != nullptr) {
+    launch_fwd_variant<T, kHeadDim, false, true>(params, plan, stream);
+  } else if (params.dropout_p > 0.f) {
+    launch_fwd_variant<T, kHeadDim, true, false>(params, plan, stream);
   } else {
-    launch_fwd_variant<T, kHeadDim, false>(params, plan, stream);
+    launch_fwd_variant<T, kHeadDim, false, false>(params, plan, stream);
   }
 }
 

@@ -4,6 +4,7 @@
 
 #include <type_traits>
 
+#include "fa2/fa2.h"
 #include "fa2/fa2_utils.h"
 
 namespace flash::fa2 {
@@ -28,6 +29,12 @@ template <> struct FwdTile<96>  { static constexpr int kBlockM = 128, kBlockN = 
 template <> struct FwdTile<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 4, kStages = 2; };  // O 128 + S 64 registers; 96 KB
 template <> struct FwdTile<192> { static constexpr int kBlockM = 128, kBlockN = 64,  kWarps = 8, kStages = 2; };  // O registers: 8 warps keep it at 96; 144 KB (96 KB: sm86)
 template <> struct FwdTile<256> { static constexpr int kBlockM = 64,  kBlockN = 64,  kWarps = 4, kStages = 1; };  // O 128 + S 32 registers; 96 KB: 2 blocks per SM (sm90)
+
+// The plan's statement of the same (fa2.h).
+template <int h> constexpr bool kFwdTileStated =
+    FwdTile<h>::kBlockM == fwd_block_m(h) && FwdTile<h>::kBlockN == fwd_block_n(h);
+static_assert(kFwdTileStated<32> && kFwdTileStated<64> && kFwdTileStated<96> &&
+              kFwdTileStated<128> && kFwdTileStated<192> && kFwdTileStated<256>);
 
 // ---- backward -------------------------------------------------------------------------------
 // A block owns kBlockN keys and walks the query tiles of kBlockM that see them. Per thread, dK

@@ -107,6 +107,27 @@ __device__ __forceinline__ T warp_uniform(T x) {
   return __shfl_sync(0xffffffffu, x, 0);
 }
 
+// copy_tile from rows that are not one strided run (a paged K / V): row_ptr(r) is the first
+// element of tile row r; tS gives the layout of each vector. Zero-fills rows past max_rows
+// and columns past head_dim.
+template <class TiledCopy, class Src, class Dst, class Coord, class RowPtr>
+__device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, Src const& tS, Dst& tD,
+                                          Coord const& tC, RowPtr const& row_ptr, int max_rows,
+                                          int head_dim) {
+#pragma unroll
+  for (int m = 0; m < size<1>(tS); ++m) {
+    const int row = get<0>(tC(0, m, 0));
+    const bool row_ok = row < max_rows;
+    const auto* src = row_ptr(row_ok ? row : 0);
+#pragma unroll
+    for (int k = 0; k < size<2>(tS); ++k) {
+      const int col = get<1>(tC(0, m, k));
+      copy(tiled_copy.with(row_ok && col < head_dim),
+           make_tensor(make_gmem_ptr(src + col), tS(_, m, k).layout()), tD(_, m, k));
+    }
+  }
+}
+
 // Register (or shared) -> global copy that skips rows past max_rows and columns past head_dim.
 template <class TiledCopy, class Src, class Dst, class Coord>
 __device__ __forceinline__ void store_tile(TiledCopy const& tiled_copy, Src const& tS, Dst& tD,

@@ -80,7 +80,8 @@ FAMILIES: dict[str, Family] = {
         dtype_min_arch={"fp16": 80, "bf16": 80},
         hdims=(32, 64, 96, 128, 192, 256),
         directions=("fwd", "bwd"),
-        features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen"}),
+        features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen",
+                            "paged_kv", "kvcache"}),
     ),
     # FlashAttention-3's forward for Hopper: TMA loads by a producer warpgroup, WGMMA in two or
     # three consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its

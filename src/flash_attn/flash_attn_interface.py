@@ -312,7 +312,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            backend: Optional[str] = None):
+                            backend: Optional[str] = None, _tuning: Optional[dict] = None):
     """Attention of q over a KV cache, appending new keys and values to it in place
     (inference: no autograd), flash_attn 2.x semantics.
 
@@ -331,7 +331,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (0: automatic).
 
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse (batch, nheads,
-    seqlen_q) float32) with return_softmax_lse=True.
+    seqlen_q) float32) with return_softmax_lse=True. ``_tuning``: as flash_attn_func's.
     """
     call = _validate.validate_kvcache_call(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -351,5 +351,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, tensor_seqlens, cache_seqlen,
         cache_batch_idx, cache_leftpad, block_table, softmax_scale, call.causal, window_left,
         window_right, softcap * 1.0, bool(rotary_interleaved), alibi_slopes, num_splits,
-        family, "")
+        family, _ops.tuning_text(_tuning))
     return (out, lse) if return_softmax_lse else out

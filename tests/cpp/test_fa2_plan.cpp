@@ -1,0 +1,78 @@
+// The FA2 forward's per-call plan (csrc/fa2/fa2.h) on the CPU, for calls over a KV cache: which
+// kernel runs (the decode kernel or the forward's), how many key splits, how much workspace.
+// Built and run by tests/test_plans.py. Exit status 0: every check passed.
+#include <cstdio>
+
+#include "fa2/fa2.h"
+
+using flash::FwdParams;
+using flash::Tuning;
+using namespace flash::fa2;
+
+static int failures = 0;
+#define CHECK(cond)                                                       \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      std::printf("%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                         \
+    }                                                                     \
+  } while (0)
+
+// One decode step over a KV cache of `cached` positions on an H100 / H200 (sm90, 132 SMs).
+static FwdParams decode(int batch, int seqlen_q, int heads, int heads_k, int cached) {
+  FwdParams p;
+  p.batch = batch, p.seqlen_q = seqlen_q, p.seqlen_k = cached;
+  p.heads = heads, p.heads_k = heads_k, p.head_dim = 128;
+  p.kv_cache = true, p.num_sms = 132, p.arch = 90;
+  return p;
+}
+
+int main() {
+  // Which kernel: the decode kernel while seqlen_q * heads / heads_k fits 16 rows.
+  CHECK(plan_fwd(decode(4, 1, 32, 8, 8192), 128).decode);
+  CHECK(plan_fwd(decode(4, 4, 32, 8, 8192), 128).decode);   // 16 rows
+  CHECK(plan_fwd(decode(4, 2, 64, 8, 8192), 128).decode);   // 16 rows
+  CHECK(!plan_fwd(decode(4, 5, 16, 4, 8192), 128).decode);  // 20 rows: the forward's kernel
+  CHECK(!plan_fwd(decode(4, 1, 32, 1, 8192), 128).decode);  // MQA with 32 heads: 32 rows
+  {
+    FwdParams p = decode(4, 1, 32, 8, 8192);
+    Tuning off;
+    off.fa2_decode = 0;
+    CHECK(!plan_fwd(p, 128, off).decode);
+    p.kv_cache = false;  // a dense or variable-length call never takes it
+    CHECK(!plan_fwd(p, 128).decode);
+  }
+
+  // Splits (hdim 128: 4 blocks of 56.6 KB per SM, 528 slots): as many as one wave holds, each
+  // with 4 key tiles of 32 or more, never more blocks than slots.
+  CHECK(plan_fwd(decode(1, 1, 32, 8, 8192), 128).num_splits == 64);   // 256 tiles / 4
+  CHECK(plan_fwd(decode(1, 1, 32, 8, 131072), 128).num_splits == 66);  // 528 / 8 items
+  CHECK(plan_fwd(decode(8, 1, 32, 8, 8192), 128).num_splits == 8);    // 512 blocks
+  CHECK(plan_fwd(decode(32, 1, 32, 8, 8192), 128).num_splits == 2);   // 512 blocks
+  CHECK(plan_fwd(decode(128, 1, 32, 8, 8192), 128).num_splits == 1);  // 1024 items
+  CHECK(plan_fwd(decode(1, 1, 32, 8, 100), 128).num_splits == 1);     // 4 tiles
+  for (int batch : {1, 2, 3, 5, 8, 13, 32, 60, 66}) {
+    const int splits = plan_fwd(decode(batch, 1, 32, 8, 65536), 128).num_splits;
+    CHECK(splits >= 1 && (splits == 1 || int64_t(batch) * 8 * splits <= 528));
+  }
+  // The call's num_splits, clamped to 128 and to the cache's key tiles.
+  {
+    FwdParams p = decode(2, 1, 32, 8, 8192);
+    p.splits_requested = 3;
+    CHECK(plan_fwd(p, 128).num_splits == 3);
+    p.splits_requested = 1000;
+    CHECK(plan_fwd(p, 128).num_splits == 128);
+    p.seqlen_k = 40;  // two tiles
+    CHECK(plan_fwd(p, 128).num_splits == 2);
+  }
+  // Workspace: fp32 O and one lse per (split, batch, head, query row); none without splits.
+  {
+    const FwdParams p = decode(8, 1, 32, 8, 8192);
+    const FwdPlan plan = plan_fwd(p, 128);
+    CHECK(plan.workspace_bytes == int64_t(plan.num_splits) * 8 * 32 * 1 * (128 + 1) * 4);
+    CHECK(plan_fwd(decode(128, 1, 32, 8, 8192), 128).workspace_bytes == 0);
+  }
+
+  if (failures == 0) std::printf("fa2 plan: all checks passed\n");
+  return failures == 0 ? 0 : 1;
+}
