@@ -251,6 +251,29 @@ def test_bad_arguments_are_named(kvcache_ext, over, error, pattern):
     assert kvcache_ext.calls == []
 
 
+def test_a_valid_call_is_remembered_by_metadata_only(kvcache_ext):
+    # A call that passed is not re-checked when it comes again (a decode loop); anything the
+    # checks read that differs is checked afresh: a bool where an int is wanted, a dtype, a
+    # stride, a device type.
+    q, k_cache, v_cache, k, v = inputs()
+    lengths = torch.tensor([1, 2, 3], dtype=torch.int32)
+    good = dict(k=k, v=v, cache_seqlens=lengths, num_splits=1, causal=True)
+    first = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, **good)
+    again = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, **good)
+    assert torch.equal(first, again) and len(kvcache_ext.calls) == 2
+    with pytest.raises(ValueError, match=r"num_splits must be an int >= 0"):
+        flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, **dict(good, num_splits=True))
+    with pytest.raises(ValueError, match=r"must be torch.bfloat16 on cpu like q"):
+        flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, **dict(good, k=k.half()))
+    strided = gen(B, CAPACITY, HK, D, seed=9).transpose(-1, -2).contiguous().transpose(-1, -2)
+    with pytest.raises(ValueError, match=r"k_cache must be contiguous in its last dim"):
+        flash_attn.flash_attn_with_kvcache(q, strided, v_cache, **good)
+    with pytest.raises(ValueError, match=r"must be on a CUDA device"):
+        flash_attn.flash_attn_with_kvcache(q.to("meta"), k_cache.to("meta"),
+                                           v_cache.to("meta"), **good)
+    assert len(kvcache_ext.calls) == 2
+
+
 def test_cache_batch_must_match_without_batch_idx(kvcache_ext):
     q, k_cache, v_cache, _, _ = inputs(batch_cache=5)
     with pytest.raises(ValueError, match=r"k_cache has batch size 5 but q has 3; they must "

@@ -473,7 +473,7 @@ def _kvcache_fwd_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
 def kvcache_attention(*args):
     """(out, lse) as ``torch.ops.flash_attn.kvcache_fwd(*args)``, which runs where something
     must see through the call (``attention``'s rule); plain eager calls skip its dispatch."""
-    if _needs_registered_op([t for t in args if isinstance(t, torch.Tensor)]):
+    if _needs_registered_op(args[:8] + args[9:12] + args[18:19]):  # the Tensor? arguments
         return torch.ops.flash_attn.kvcache_fwd(*args)
     return run_kvcache_fwd(*args)
 
