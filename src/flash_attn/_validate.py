@@ -239,11 +239,54 @@ def call_features(causal: bool, window: Tuple[int, int], softcap, has_alibi: boo
 
 # ---- the tensor entry point -------------------------------------------------------------------
 
+# Calls that passed every check, by what the checks read of their arguments (``_metadata``):
+# a training or decode loop repeats the same few calls, and the checks were a third to a half
+# of the frontend's host time. Bounded, since an int cache_seqlens makes each decode step a new
+# entry. Not under torch.compile, which traces the checks once anyway.
+_VALID: dict = {}
+_VALID_MAX = 512
+
+
+def _metadata(t):
+    """What the checks read of an argument: a tensor's type, shape, strides, dtype and device
+    (never its values), or the value with its type (True and 1 are equal keys otherwise, and
+    the checks refuse a bool where they want an int)."""
+    if isinstance(t, torch.Tensor):
+        return type(t), t.shape, t.stride(), t.dtype, t.device
+    return type(t), t
+
+
+def _remembered(check, *args, **kwargs) -> Call:
+    """check(*args, **kwargs), or the result of an earlier call with the same metadata."""
+    if torch.compiler.is_compiling():
+        return check(*args, **kwargs)
+    try:
+        key = (check, KERNEL_DEVICE_TYPE, tuple(map(_metadata, args)),
+               tuple((name, _metadata(value)) for name, value in kwargs.items()))
+        call = _VALID.get(key)
+    except TypeError:  # an unhashable argument (a list window_size, ...): checked every time
+        return check(*args, **kwargs)
+    if call is None:
+        call = check(*args, **kwargs)
+        if len(_VALID) >= _VALID_MAX:
+            _VALID.clear()
+        _VALID[key] = call
+    return call
+
+
 def validate_call(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
                   window_size=(-1, -1), softcap=0.0, alibi_slopes: Optional[torch.Tensor] = None,
                   names: Sequence[str] = ("q", "k", "v")) -> Call:
-    """All checks of one attention call, from its tensors. Layout (stride) problems are not
-    errors: the frontend copies such tensors into the layout the kernels read."""
+    """All checks of one attention call, from its tensors (remembered, see ``_remembered``).
+    Layout (stride) problems are not errors: the frontend copies such tensors into the layout
+    the kernels read."""
+    return _remembered(_check_call, q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                       causal=causal, window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes, names=names)
+
+
+def _check_call(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap,
+                alibi_slopes, names) -> Call:
     tensors = (q, k, v)
     for name, t in zip(names, tensors):
         check_is_tensor(name, t)
@@ -393,46 +436,16 @@ def check_like_q(name: str, t, q, layout: str) -> None:
                          f"{t.device}")
 
 
-# Calls of flash_attn_with_kvcache that passed every check, by what the checks read. A decode
-# loop repeats one call per layer per token, where the checks were a third of the frontend's
-# host time; bounded, since an int cache_seqlens makes every step a new entry.
-_KVCACHE_VALID: dict = {}
-_KVCACHE_VALID_MAX = 256
-
-
-def _metadata(t):
-    """What the checks read of an argument: a tensor's type, shape, strides, dtype and device
-    (never its values), or the value with its type (True and 1 are equal keys otherwise, and
-    the checks refuse a bool where they want an int)."""
-    if isinstance(t, torch.Tensor):
-        return type(t), t.shape, t.stride(), t.dtype, t.device
-    return type(t), t
-
-
 def validate_kvcache_call(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                           cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                           block_table=None, softmax_scale=None, causal=False,
                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                           num_splits=0) -> Call:
-    """All checks of one ``flash_attn_with_kvcache`` call; the call's shapes hold the cache's
-    capacity per sequence as seqlen_k. A call whose arguments match one that passed (same
-    metadata and scalars, see ``_metadata``) returns that call's result without re-checking."""
-    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-            cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-            alibi_slopes, num_splits)
-    if torch.compiler.is_compiling():
-        return _check_kvcache_call(*args)
-    try:
-        key = (KERNEL_DEVICE_TYPE,) + tuple(map(_metadata, args))
-        call = _KVCACHE_VALID.get(key)
-    except TypeError:  # an unhashable argument (a list window_size, ...): no memo
-        return _check_kvcache_call(*args)
-    if call is None:
-        call = _check_kvcache_call(*args)
-        if len(_KVCACHE_VALID) >= _KVCACHE_VALID_MAX:
-            _KVCACHE_VALID.clear()
-        _KVCACHE_VALID[key] = call
-    return call
+    """All checks of one ``flash_attn_with_kvcache`` call (remembered, see ``_remembered``);
+    the call's shapes hold the cache's capacity per sequence as seqlen_k."""
+    return _remembered(_check_kvcache_call, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                       cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale,
+                       causal, window_size, softcap, alibi_slopes, num_splits)
 
 
 def _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
