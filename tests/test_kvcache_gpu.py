@@ -266,3 +266,14 @@ def test_cuda_graph_decode_step():
         assert_rule("out", out, lowp[0], truth[0], 2, dtype)
         assert torch.equal(k_cache, truth[2]) and torch.equal(v_cache, truth[3])
         lengths += 1
+
+
+def test_decode_kernel_splits_with_odd_rows():
+    # 3 sequences x 1 head x 1 token x 3 splits: an odd number of partial rows, after which
+    # the fp32 partial outputs must still start 16-byte aligned (they are stored as float2).
+    dtype, d = torch.bfloat16, 64
+    skip_unless_kvcache("fa2", dtype, d)
+    q = randn(3, 1, 1, d, dtype=dtype)
+    k_cache, v_cache = (randn(3, 4096, 1, d, dtype=dtype) for _ in range(2))
+    lengths = torch.tensor([4096, 1000, 3], dtype=torch.int32, device=DEVICE)
+    check_call("fa2", q, k_cache, v_cache, dtype, cache_seqlens=lengths, num_splits=3)

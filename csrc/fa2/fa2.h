@@ -131,7 +131,7 @@ inline FwdPlan plan_fwd(const FwdParams& p, int kernel_hdim, const Tuning& tunin
   plan.num_splits = plan.decode ? decode_splits(p, kernel_hdim) : fwd_splits(p, kernel_hdim);
   if (plan.num_splits > 1) {
     const int64_t rows = int64_t(plan.num_splits) * p.batch * p.heads * p.seqlen_q;
-    plan.workspace_bytes = rows * (p.head_dim + 1) * 4;
+    plan.workspace_bytes = (round_up(rows, 4) + rows * p.head_dim) * 4;  // lse, then O (16 B aligned)
   }
   return plan;
 }

@@ -60,7 +60,9 @@ inline FwdParams with_splits(const FwdParams& call, const FwdPlan& plan) {
     const int64_t rows = int64_t(plan.num_splits) * p.batch * p.heads * p.seqlen_q;
     p.num_splits = plan.num_splits;
     p.lse_accum = static_cast<float*>(p.workspace);
-    p.o_accum = p.lse_accum + rows;
+    // O after the lse, 16-byte aligned: the decode kernel stores it as float2 (an odd number
+    // of rows, e.g. one head, one token, three splits, would misalign it).
+    p.o_accum = p.lse_accum + round_up(rows, 4);
   }
   return p;
 }

@@ -70,6 +70,10 @@ int main() {
     const FwdParams p = decode(8, 1, 32, 8, 8192);
     const FwdPlan plan = plan_fwd(p, 128);
     CHECK(plan.workspace_bytes == int64_t(plan.num_splits) * 8 * 32 * 1 * (128 + 1) * 4);
+    // An odd number of rows: the O part still starts 16 bytes in.
+    FwdParams odd = decode(1, 1, 1, 1, 8192);
+    odd.splits_requested = 3;
+    CHECK(plan_fwd(odd, 128).workspace_bytes == (4 + 3 * 128) * 4);
     CHECK(plan_fwd(decode(128, 1, 32, 8, 8192), 128).workspace_bytes == 0);
   }
 
