@@ -4,19 +4,11 @@
 #include <cstdio>
 
 #include "fa2/fa2.h"
+#include "check.h"
 
 using flash::FwdParams;
 using flash::Tuning;
 using namespace flash::fa2;
-
-static int failures = 0;
-#define CHECK(cond)                                                       \
-  do {                                                                    \
-    if (!(cond)) {                                                        \
-      std::printf("%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                         \
-    }                                                                     \
-  } while (0)
 
 // One decode step over a KV cache of `cached` positions on an H100 / H200 (sm90, 132 SMs).
 static FwdParams decode(int batch, int seqlen_q, int heads, int heads_k, int cached) {
@@ -77,6 +69,5 @@ int main() {
     CHECK(plan_fwd(decode(128, 1, 32, 8, 8192), 128).workspace_bytes == 0);
   }
 
-  if (failures == 0) std::printf("fa2 plan: all checks passed\n");
-  return failures == 0 ? 0 : 1;
+  return check_status("fa2 plan");
 }

@@ -5,19 +5,11 @@
 #include <string>
 
 #include "fa3/fa3_plan.h"
+#include "check.h"
 
 using flash::FwdParams;
 using flash::Tuning;
 using namespace flash::fa3;
-
-static int failures = 0;
-#define CHECK(cond)                                                       \
-  do {                                                                    \
-    if (!(cond)) {                                                        \
-      std::printf("%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                         \
-    }                                                                     \
-  } while (0)
 
 // A call on an H100-sized GPU (132 SMs), dense batch, full attention unless changed.
 static FwdParams call(int batch, int seqlen_q, int seqlen_k, int heads, int heads_k) {
@@ -134,6 +126,5 @@ int main() {
     CHECK(!t.narrow.exists() || (t.narrow.consumers == 2 && t.wide_gain_pct > 100));
   }
   CHECK(!fwd_tiles(80).wide.exists());
-  if (failures == 0) std::printf("fa3 plan: all checks passed\n");
-  return failures == 0 ? 0 : 1;
+  return check_status("fa3 plan");
 }
