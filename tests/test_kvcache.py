@@ -274,6 +274,22 @@ def test_a_valid_call_is_remembered_by_metadata_only(kvcache_ext):
     assert len(kvcache_ext.calls) == 2
 
 
+def test_remembered_calls_are_bounded_and_unhashable_ones_checked(kvcache_ext, monkeypatch):
+    # An int cache_seqlens makes every decode step a new entry: the memo is cleared when full
+    # rather than growing. A list window_size cannot be a key: that call is checked each time.
+    from flash_attn import _validate
+    monkeypatch.setattr(_validate, "_VALID", {})
+    monkeypatch.setattr(_validate, "_VALID_MAX", 4)
+    q, k_cache, v_cache, _, _ = inputs()
+    for n in range(10):
+        flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=n)
+        assert 1 <= len(_validate._VALID) <= 4
+    flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3, window_size=[8, 0])
+    with pytest.raises(ValueError, match=r"cache_seqlens is 41"):
+        flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=41,
+                                           window_size=[8, 0])
+
+
 def test_cache_batch_must_match_without_batch_idx(kvcache_ext):
     q, k_cache, v_cache, _, _ = inputs(batch_cache=5)
     with pytest.raises(ValueError, match=r"k_cache has batch size 5 but q has 3; they must "
