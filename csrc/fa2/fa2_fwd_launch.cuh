@@ -67,10 +67,11 @@ inline FwdParams with_splits(const FwdParams& call, const FwdPlan& plan) {
   return p;
 }
 
-template <typename T>
+// Element: CuTe's 16-bit type (FwdTraits::Element), one instantiation for both forwards.
+template <typename Element>
 void launch_combine(const FwdParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.heads * p.seqlen_q;
-  combine_splits_kernel<T><<<unsigned(rows), 128, 0, stream>>>(p);
+  combine_splits_kernel<Element><<<unsigned(rows), 128, 0, stream>>>(p);
   FLASH_CHECK_LAUNCH();
 }
 
@@ -86,7 +87,7 @@ void launch_decode(const FwdParams& call, const FwdPlan& plan, cudaStream_t stre
   const dim3 grid(unsigned(int64_t(p.batch) * p.heads_k), unsigned(p.num_splits));
   kernel<<<grid, 32, Tr::kSmemBytes, stream>>>(p);
   FLASH_CHECK_LAUNCH();
-  if (p.num_splits > 1) launch_combine<T>(p, stream);
+  if (p.num_splits > 1) launch_combine<typename CuteType<T>::type>(p, stream);  // launch_fwd's
 }
 
 template <class Tr, bool kKvCache>
