@@ -38,7 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import _common as C  # noqa: E402
 
-HEADS, HEADS_K = 32, 8  # the shape; --heads / --heads-k change them
+HEADS, HEADS_K = 32, 8  # the shape (--heads / --heads-k)
 
 
 def cuda_ms(fn, reps: int, inner: int = 10) -> float:
@@ -130,15 +130,16 @@ def paged(k_cache, v_cache, page: int):
     return pools[0], pools[1], order.view(batch, pages).to(torch.int32)
 
 
-def row(fa, batch: int, length: int, hdim: int, dtype, page: int, reps: int) -> dict:
+def row(fa, batch: int, length: int, hdim: int, heads: int, heads_k: int, dtype, page: int,
+        reps: int) -> dict:
     dev = torch.device("cuda")
-    q = torch.randn(batch, 1, HEADS, hdim, device=dev, dtype=dtype)
-    k_new, v_new = (torch.randn(batch, 1, HEADS_K, hdim, device=dev, dtype=dtype)
+    q = torch.randn(batch, 1, heads, hdim, device=dev, dtype=dtype)
+    k_new, v_new = (torch.randn(batch, 1, heads_k, hdim, device=dev, dtype=dtype)
                     for _ in range(2))
-    k_cache, v_cache = (torch.randn(batch, length, HEADS_K, hdim, device=dev, dtype=dtype)
+    k_cache, v_cache = (torch.randn(batch, length, heads_k, hdim, device=dev, dtype=dtype)
                         for _ in range(2))
     lens = torch.full((batch,), length - 1, dtype=torch.int32, device=dev)
-    kv_bytes = 2 * batch * length * HEADS_K * hdim * k_cache.element_size()
+    kv_bytes = 2 * batch * length * heads_k * hdim * k_cache.element_size()
     r = dict(batch=batch, length=length, kv_bytes=kv_bytes)
 
     def ours(kc=k_cache, vc=v_cache, **kw):
@@ -161,8 +162,8 @@ def row(fa, batch: int, length: int, hdim: int, dtype, page: int, reps: int) -> 
 
 def render(report: dict) -> str:
     c = report["config"]
-    lines = [f"# Decode over a KV cache ({c['dtype']}, hdim {c['hdim']}, {HEADS} / {HEADS_K} "
-             f"heads, page {c['page']})", "", *C.meta_lines(report["meta"]), "",
+    lines = [f"# Decode over a KV cache ({c['dtype']}, hdim {c['hdim']}, {c['heads']} / "
+             f"{c['heads_k']} heads, page {c['page']})", "", *C.meta_lines(report["meta"]), "",
              "- bandwidth: K / V bytes read per second (ours, SDPA); the copy counts read + "
              "written; bars: ours >= 0.8 x copy from 8k tokens, >= 1.2 x the best SDPA, "
              "paged >= 0.9 x contiguous", ""]
@@ -191,7 +192,6 @@ def render(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    global HEADS, HEADS_K
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=C.parse_int_list, default=[1, 8, 32, 128])
     p.add_argument("--lengths", type=C.parse_int_list, default=C.parse_int_list("1k,8k,32k,128k"))
@@ -207,7 +207,6 @@ def main(argv=None) -> int:
     p.add_argument("--tag")
     p.add_argument("--quick", action="store_true", help="batch 1, 8; cache 1k, 8k")
     args = p.parse_args(argv)
-    HEADS, HEADS_K = args.heads, args.heads_k
     if args.quick:
         args.batches, args.lengths = [1, 8], [1024, 8192]
     if not torch.cuda.is_available():
@@ -225,7 +224,8 @@ def main(argv=None) -> int:
         for length in args.lengths:
             if batch * length > args.max_tokens:
                 continue
-            r = row(fa, batch, length, args.hdim, dtype, args.page, args.reps)
+            r = row(fa, batch, length, args.hdim, args.heads, args.heads_k, dtype, args.page,
+                    args.reps)
             report["results"].append(r)
             C.log(f"batch {batch} cache {length}: ours {r['ours_ms']} ms "
                   f"({r['ours_error'] or 'ok'}), copy {r['copy_ms']} ms, SDPA {r['sdpa_best']}, "
@@ -233,9 +233,9 @@ def main(argv=None) -> int:
             C.release_memory()
     # Host cost: one small decode in a loop.
     dev = torch.device("cuda")
-    q = torch.randn(1, 1, HEADS, args.hdim, device=dev, dtype=dtype)
-    kc, vc = (torch.randn(1, 1024, HEADS_K, args.hdim, device=dev, dtype=dtype) for _ in range(2))
-    kn, vn = (torch.randn(1, 1, HEADS_K, args.hdim, device=dev, dtype=dtype) for _ in range(2))
+    q = torch.randn(1, 1, args.heads, args.hdim, device=dev, dtype=dtype)
+    kc, vc = (torch.randn(1, 1024, args.heads_k, args.hdim, device=dev, dtype=dtype) for _ in range(2))
+    kn, vn = (torch.randn(1, 1, args.heads_k, args.hdim, device=dev, dtype=dtype) for _ in range(2))
     lens = torch.full((1,), 1023, dtype=torch.int32, device=dev)
     us, error = C.attempt(host_us, lambda: fa.flash_attn_with_kvcache(
         q, kc, vc, kn, vn, cache_seqlens=lens, causal=True))
