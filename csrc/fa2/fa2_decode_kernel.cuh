@@ -40,7 +40,11 @@ struct DecodeTraits {
   static_assert(kSmemBytes == kTileBytes + 8 * kStages && kTileBytes % 16 == 0);
 };
 
-template <typename T, int kHeadDim>
+// kHalves: how many of the tile's two 8-row halves hold query rows (1: rows <= 8, the usual
+// one-token decode with up to 8 query heads per KV head). A lane holds rows g and g + 8; with
+// one half the second row's score mods, mask, softmax and P are skipped (its P is 0): half the
+// per-score work of a tile.
+template <typename T, int kHeadDim, int kHalves>
 __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Tr = DecodeTraits<T, kHeadDim>;
@@ -67,6 +71,10 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
   const int tile_begin = all_begin + split * per;
   const int tiles = max(0, min(all_end, tile_begin + per) - tile_begin);
 
+  // The keys every query row sees (rows see more keys as their token grows).
+  const int seen_by_all_begin = mask.key_begin(p.seqlen_q - 1), seen_by_all_end = mask.key_end(0);
+  const bool alibi = p.alibi_slopes != nullptr;
+
   // ---- the two rows of each lane: token, head, visible keys, ALiBi slope --------------------
   int row_token[2], row_head[2], key_lo[2], key_hi[2];
   float slope[2];
@@ -78,7 +86,7 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
     key_lo[i] = mask.key_begin(row_token[i]);
     key_hi[i] = r < rows ? mask.key_end(row_token[i]) : 0;  // padding rows: no key
     slope[i] = 0.f;
-    if (p.alibi_slopes != nullptr && r < rows) {
+    if (alibi && r < rows) {
       const float logit_per_score = p.softcap > 0.f ? p.softcap : p.softmax_scale;
       slope[i] = p.alibi_slopes[seq.batch * p.alibi_batch_stride + row_head[i]] / logit_per_score;
     }
@@ -208,48 +216,80 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
       }
     }
 
-    // Score mods, mask (every tile: a few compares per score in a memory-bound loop).
+    // Score mods and the mask, each behind a warp-uniform branch: the mask only on tiles that
+    // some query row does not see whole (padding rows are left unmasked: their Q is zero, so
+    // their scores are finite, and they are never stored).
+    if (p.softcap > 0.f) {
 #pragma unroll
-    for (int f = 0; f < kBlockN / 8; ++f) {
+      for (int f = 0; f < kBlockN / 8; ++f) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e / 2, key = n * kBlockN + 8 * f + 2 * t + e % 2;
-        float x = s[f][e];
-        if (p.softcap > 0.f) x = tanhf(x * p.softcap_prescale);
-        x -= slope[i] * fabsf(float(row_token[i] + shift - key));
-        s[f][e] = key < key_lo[i] || key >= key_hi[i] ? -INFINITY : x;
+        for (int e = 0; e < 2 * kHalves; ++e) s[f][e] = tanhf(s[f][e] * p.softcap_prescale);
+      }
+    }
+    if (alibi) {
+#pragma unroll
+      for (int f = 0; f < kBlockN / 8; ++f) {
+#pragma unroll
+        for (int e = 0; e < 2 * kHalves; ++e) {
+          const int i = e / 2, key = n * kBlockN + 8 * f + 2 * t + e % 2;
+          s[f][e] -= slope[i] * fabsf(float(row_token[i] + shift - key));
+        }
+      }
+    }
+    if (n * kBlockN < seen_by_all_begin || (n + 1) * kBlockN > seen_by_all_end) {
+#pragma unroll
+      for (int f = 0; f < kBlockN / 8; ++f) {
+#pragma unroll
+        for (int e = 0; e < 2 * kHalves; ++e) {
+          const int i = e / 2, key = n * kBlockN + 8 * f + 2 * t + e % 2;
+          if (key < key_lo[i] || key >= key_hi[i]) s[f][e] = -INFINITY;
+        }
       }
     }
 
-    // Online softmax over the tile, per row (the quad of lanes that holds it).
-    float scaled_max[2];
+    // Online softmax over the tile, per row (the quad of lanes that holds it), with the lazy
+    // rescale of common/softmax.h: while no row's max grows by more than 2^8, P is taken
+    // against the old max (P <= 2^8) and O is left alone, which is most tiles of a long cache.
+    float tile_max[2];
+    bool grow = false;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < kHalves; ++i) {
       float m = row_max[i];
 #pragma unroll
       for (int f = 0; f < kBlockN / 8; ++f) m = fmaxf(m, fmaxf(s[f][2 * i], s[f][2 * i + 1]));
-      m = quad_max(m);
-      // A row with no visible key yet keeps max -inf; exp2 of its -inf scores is then 0.
-      scaled_max[i] = m == -INFINITY ? 0.f : m * scale_log2;
-      const float correction = exp2f(row_max[i] * scale_log2 - scaled_max[i]);
-      row_max[i] = m;
-      row_sum[i] *= correction;
+      tile_max[i] = quad_max(m);
+      grow |= (tile_max[i] - row_max[i]) * scale_log2 > 8.f;  // -inf - -inf: NaN, no growth
+    }
+    if (__any_sync(0xffffffffu, grow)) {
 #pragma unroll
-      for (int f = 0; f < kHeadDim / 8; ++f) {
-        o[f][2 * i] *= correction;
-        o[f][2 * i + 1] *= correction;
+      for (int i = 0; i < kHalves; ++i) {
+        // A row with no visible key yet keeps max -inf and is exponentiated against 0. Its
+        // correction is exp2(-inf) = 0 (O and l are still 0), never exp2(0 - next): with ALiBi
+        // a far tile's max can be -1000 (log2), and 0 * inf is NaN.
+        const float next = tile_max[i] == -INFINITY ? 0.f : tile_max[i] * scale_log2;
+        const float correction = exp2f(row_max[i] * scale_log2 - next);
+        row_max[i] = tile_max[i];
+        row_sum[i] *= correction;
+#pragma unroll
+        for (int f = 0; f < kHeadDim / 8; ++f) {
+          o[f][2 * i] *= correction;
+          o[f][2 * i + 1] *= correction;
+        }
       }
     }
+    float scaled_max[2];
+#pragma unroll
+    for (int i = 0; i < kHalves; ++i) scaled_max[i] = row_max[i] == -INFINITY ? 0.f : row_max[i] * scale_log2;
     uint32_t pa[kBlockN / 16][4];  // P as the A operand, 16 keys per MMA step
 #pragma unroll
     for (int f = 0; f < kBlockN / 8; ++f) {
-      float e[4];
+      float e[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int k = 0; k < 4; ++k) e[k] = exp2f(s[f][k] * scale_log2 - scaled_max[k / 2]);
+      for (int k = 0; k < 2 * kHalves; ++k) e[k] = exp2f(s[f][k] * scale_log2 - scaled_max[k / 2]);
       row_sum[0] += e[0] + e[1];
-      row_sum[1] += e[2] + e[3];
+      if (kHalves == 2) row_sum[1] += e[2] + e[3];
       pa[f / 2][2 * (f % 2)] = pack2<T>(e[0], e[1]);
-      pa[f / 2][2 * (f % 2) + 1] = pack2<T>(e[2], e[3]);
+      pa[f / 2][2 * (f % 2) + 1] = kHalves == 2 ? pack2<T>(e[2], e[3]) : 0u;
     }
 
     // O += P V: V's rows are keys, so its fragments come through ldmatrix.trans.
@@ -269,7 +309,7 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
   // ---- epilogue: O / l and the lse of each row; partials in fp32 when the keys are split ------
   const bool partial = p.num_splits > 1;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kHalves; ++i) {
     const int r = g + 8 * i;
     const float sum = quad_sum(row_sum[i]);
     if (r >= rows) continue;

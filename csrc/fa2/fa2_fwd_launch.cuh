@@ -79,7 +79,9 @@ template <typename T, int kHeadDim>
 void launch_decode(const FwdParams& call, const FwdPlan& plan, cudaStream_t stream) {
   const FwdParams p = with_splits(call, plan);
   using Tr = DecodeTraits<T, kHeadDim>;
-  auto kernel = decode_kernel<T, kHeadDim>;
+  auto kernel = int64_t(p.seqlen_q) * (p.heads / p.heads_k) <= kDecodeRows / 2
+                    ? decode_kernel<T, kHeadDim, 1>
+                    : decode_kernel<T, kHeadDim, 2>;
   if (Tr::kSmemBytes > 48 * 1024) {
     FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Tr::kSmemBytes));
