@@ -149,6 +149,18 @@ __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, uint32_t
       ::"r"(smem_addr(smem)), "l"(gmem), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 #endif
 }
+// A 4-D TMA box (tensor map in kernel-parameter space, 128-byte swizzle as encoded) at
+// coordinates (c0 innermost .. c3), completing on bar like bulk_copy.
+__device__ __forceinline__ void tma_load_4d(void* smem, const void* tensor_map, int c0, int c1,
+                                            int c2, int c3, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+      ::"r"(smem_addr(smem)), "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1),
+        "r"(c2), "r"(c3), "r"(smem_addr(bar)) : "memory");
+#endif
+}
 __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile(

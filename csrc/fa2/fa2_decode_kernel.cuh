@@ -7,13 +7,18 @@
 // split's share of the keys streams through kDecodeStages buffers. Each K / V byte is
 // read once per (sequence, KV head); the tensor cores idle, as they may: this is a copy with
 // arithmetic on the side. Split-KV writes fp32 partials that combine_splits_kernel merges.
-// On sm90 the K / V rows come by bulk copies (the TMA unit, one per row, any page size) onto
-// one mbarrier per stage; elsewhere by cp.async. Measured on an H200 (hdim 128, batch 128, 8k
-// cache): cp.async reached 2.7 TB/s, where cuDNN's decode read 4.5.
+// On sm90 the K / V tiles come by the TMA unit onto one mbarrier per stage: a contiguous cache
+// (head dim a multiple of 64) as two boxes per tile, a paged one (any page size) as one bulk
+// copy per row; elsewhere by cp.async. A warp is bound by what it issues: the per-row copies
+// were 60% of the instructions executed (ncu, H100, batch 128, 8k cache: 211M, 84M with the
+// boxes) and held the kernel at 2.9 TB/s; the boxes reach 3.1, 92% of the HBM peak and
+// cuDNN's decode rate (docs/fa2_decisions.md).
 //
 // Fragments follow common/mma.cuh (m16n8k16, g = lane / 4, t = lane % 4): a lane holds rows
 // g and g + 8 of S and O, columns 2t, 2t + 1 of each 8-wide slice.
 #pragma once
+
+#include <cuda.h>
 
 #include <cstdint>
 
@@ -24,6 +29,13 @@
 #include "fa2/fa2.h"
 
 namespace flash::fa2 {
+
+// sm90, contiguous caches, kHeadDim a multiple of 64: K / V tiles by TMA boxes of 64 columns x
+// kBlockN rows (one request per box instead of one bulk copy per row), from 4-D tensor maps
+// (head_dim, rows, heads_k, batch) of k and v built by the launcher; unused otherwise.
+struct DecodeTmaMaps {
+  CUtensorMap k, v;
+};
 
 template <typename T, int kHeadDim>
 struct DecodeTraits {
@@ -44,17 +56,36 @@ struct DecodeTraits {
 // one-token decode with up to 8 query heads per KV head). A lane holds rows g and g + 8; with
 // one half the second row's score mods, mask, softmax and P are skipped (its P is 0): half the
 // per-score work of a tile.
-template <typename T, int kHeadDim, int kHalves>
-__global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdParams p) {
+//
+// kTma (DecodeTmaMaps): K / V tiles land as TMA boxes in the 128-byte swizzle (a row of a
+// 64-column part is 128 bytes, its 16-byte chunk c at c ^ (row % 8)) instead of padded rows.
+template <typename T, int kHeadDim, int kHalves, bool kTma>
+__global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdParams p,
+                                                    const __grid_constant__ DecodeTmaMaps maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Tr = DecodeTraits<T, kHeadDim>;
   constexpr int kBlockN = Tr::kBlockN, kPitch = Tr::kPitch, kChunks = Tr::kChunks;
   constexpr int kStages = Tr::kStages;
-  extern __shared__ __align__(128) char smem[];
-  T* sQ = reinterpret_cast<T*>(smem);        // (kRows, kPitch)
-  T* sK = sQ + Tr::kRows * kPitch;           // kStages x (kBlockN, kPitch)
-  T* sV = sK + kStages * kBlockN * kPitch;   // kStages x (kBlockN, kPitch)
+  // K / V rows: kPitch elements padded, or kHeadDim in TMA parts of 64 columns.
+  constexpr int kKvRow = kTma ? kHeadDim : kPitch;
+  static_assert(!kTma || (kHeadDim % 64 == 0 && kBlockN % 8 == 0));
+  // Its own name: an extern shared array is one symbol per translation unit, and the
+  // forward's (fa2_fwd_kernel.cuh, same files) is declared 128-byte aligned.
+  extern __shared__ __align__(1024) char decode_smem[];
+  char* smem = decode_smem;
+  // TMA: K and V first, at the 1024-byte alignment their swizzle needs.
+  T* sK = reinterpret_cast<T*>(smem) + (kTma ? 0 : Tr::kRows * kPitch);  // kStages x (kBlockN, kKvRow)
+  T* sV = sK + kStages * kBlockN * kKvRow;                                 // kStages x (kBlockN, kKvRow)
+  T* sQ = kTma ? sV + kStages * kBlockN * kKvRow : reinterpret_cast<T*>(smem);  // (kRows, kPitch)
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + Tr::kTileBytes);  // sm90: one per stage
+  // Byte offset of element (r, c) in a K / V tile.
+  auto kv_offset = [](int r, int c) -> uint32_t {
+    if constexpr (kTma) {
+      return (c / 64) * (kBlockN * 128) + r * 128 + (((c % 64) / 8) ^ (r % 8)) * 16;
+    } else {
+      return (r * kPitch + c) * sizeof(T);
+    }
+  };
 
   const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
   const int head_k = int(blockIdx.x % unsigned(p.heads_k));
@@ -127,13 +158,27 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
   // One bulk copy per K or V row of the tile, lanes taking K rows then V rows; rows past the
   // sequence are not copied. Their buffers (and columns past head_dim) hold zeros written
   // here once, or an earlier tile's finite rows: K's are masked, V's meet P = 0.
-  for (int i = lane; i < 2 * kStages * kBlockN * kPitch / 8; i += 32) {
+  for (int i = lane; i < 2 * kStages * kBlockN * kKvRow / 8; i += 32) {
     reinterpret_cast<uint4*>(sK)[i] = make_uint4(0, 0, 0, 0);
   }
   if (lane < kStages) bulk_barrier_init(bar + lane);
   fence_proxy_async();
   __syncwarp();
   auto load_tile = [&](int n, int stage) {
+    if constexpr (kTma) {
+      // Whole boxes (rows past the cache and columns past head_dim come as zeros, and count).
+      constexpr int kParts = kHeadDim / 64;
+      if (lane == 0) bulk_expect(bar + stage, 2 * kBlockN * kHeadDim * sizeof(T));
+      __syncwarp();
+      if (lane < 2 * kParts) {
+        const int part = lane % kParts;
+        const bool is_v = lane >= kParts;
+        T* dst = (is_v ? sV : sK) + stage * kBlockN * kKvRow + part * kBlockN * 64;
+        tma_load_4d(dst, is_v ? &maps.v : &maps.k, 64 * part, seq.k_start(p) + n * kBlockN,
+                    head_k, seq.k_batch(p), bar + stage);
+      }
+      return;
+    }
     const int valid = min(kBlockN, mask.seqlen_k - n * kBlockN);
     const uint32_t row_bytes = uint32_t(p.head_dim) * sizeof(T);
     if (lane == 0) bulk_expect(bar + stage, 2 * valid * row_bytes);
@@ -152,6 +197,7 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
     }
   };
 #else
+  if constexpr (kTma) __trap();  // launched on sm90 only (launch_decode)
   // Lane pair (2m, 2m + 1) copies row m + 16 j of a tile, the pair's two 16-byte columns per
   // instruction (one 32-byte sector). Keys past the sequence are zero (finite under the mask).
   auto load_tile = [&](int n, int stage) {
@@ -192,12 +238,27 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
 #if __CUDA_ARCH__ >= 900
     bulk_wait(bar + it % kStages, (it / kStages) % 2);
 #endif
+    const int stage = it % kStages, n = tile_begin + it;
+    const T* k_s = sK + stage * kBlockN * kKvRow;
+    const T* v_s = sV + stage * kBlockN * kKvRow;
+    if constexpr (kTma) {
+      // A TMA box reads the cache rows past the sequence too (stale, possibly NaN): their V
+      // rows become zeros before P V (K's are masked); the next box into this buffer is
+      // ordered after these writes by the fence.
+      const int valid = mask.seqlen_k - n * kBlockN;
+      if (valid < kBlockN) {
+        __syncwarp();
+        for (int q = lane; q < (kBlockN - valid) * (kHeadDim / 8); q += 32) {
+          const int r = valid + q / (kHeadDim / 8), c = q % (kHeadDim / 8) * 8;
+          *reinterpret_cast<uint4*>(reinterpret_cast<char*>(const_cast<T*>(v_s)) + kv_offset(r, c)) =
+              make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async();
+      }
+    }
     __syncwarp();  // tile it landed for every lane; every lane is done with tile it - 1
     if (it + kStages - 1 < tiles) load_tile(tile_begin + it + kStages - 1, (it + kStages - 1) % kStages);
     copy_async_commit();
-    const int stage = it % kStages, n = tile_begin + it;
-    const T* k_s = sK + stage * kBlockN * kPitch;
-    const T* v_s = sV + stage * kBlockN * kPitch;
 
     // S = Q K^T: per 16-column step of the head dim, one ldmatrix of Q, one per 16 keys of K.
     float s[kBlockN / 8][4];
@@ -210,7 +271,8 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
 #pragma unroll
       for (int f = 0; f < kBlockN / 8; f += 2) {
         uint32_t b[4];  // keys 8f.. : b[0], b[1]; keys 8f + 8.. : b[2], b[3]
-        ldmatrix_x4(b, k_s + (8 * f + lane % 8 + 8 * (lane / 16)) * kPitch + kk + 8 * ((lane / 8) % 2));
+        ldmatrix_x4(b, reinterpret_cast<const char*>(k_s) +
+                           kv_offset(8 * f + lane % 8 + 8 * (lane / 16), kk + 8 * ((lane / 8) % 2)));
         mma_16816<T>(s[f], a, b[0], b[1]);
         mma_16816<T>(s[f + 1], a, b[2], b[3]);
       }
@@ -298,7 +360,8 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
 #pragma unroll
       for (int f = 0; f < kHeadDim / 8; f += 2) {
         uint32_t b[4];  // columns 8f.. : b[0], b[1]; columns 8f + 8.. : b[2], b[3]
-        ldmatrix_x4_trans(b, v_s + (16 * ks + lane % 8 + 8 * ((lane / 8) % 2)) * kPitch + 8 * f + 8 * (lane / 16));
+        ldmatrix_x4_trans(b, reinterpret_cast<const char*>(v_s) +
+                                 kv_offset(16 * ks + lane % 8 + 8 * ((lane / 8) % 2), 8 * f + 8 * (lane / 16)));
         mma_16816<T>(o[f], pa[ks], b[0], b[1]);
         mma_16816<T>(o[f + 1], pa[ks], b[2], b[3]);
       }

@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <string>
+
+#include <cutlass/cuda_host_adapter.hpp>
 
 #include "common/check.h"
 #include "fa2/fa2.h"
@@ -75,19 +78,72 @@ void launch_combine(const FwdParams& p, cudaStream_t stream) {
   FLASH_CHECK_LAUNCH();
 }
 
-template <typename T, int kHeadDim>
-void launch_decode(const FwdParams& call, const FwdPlan& plan, cudaStream_t stream) {
-  const FwdParams p = with_splits(call, plan);
+// The tensor map of a contiguous KV cache (k or v, strides s) for the decode kernel's TMA
+// boxes: (head_dim, rows, heads_k, cache rows), boxes of 64 columns x box_rows rows in the
+// 128-byte swizzle; rows past the cache and columns past head_dim read as zeros.
+inline CUtensorMap decode_tensor_map(const void* ptr, const Strides& s, const FwdParams& p,
+                                     int box_rows, int element_bytes) {
+  // A stride must be a multiple of 16 bytes also along a dimension of extent 1, where the
+  // frontend leaves it as it comes; it is never stepped along (as in fa3_fwd_launch.cuh).
+  const int64_t row = p.seqlen_k > 1 ? s.row : p.head_dim;
+  const int64_t head = p.heads_k > 1 ? s.head : row * p.seqlen_k;
+  const int64_t batch = p.cache_batch > 1 ? s.batch : head * p.heads_k;
+  cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.seqlen_k), cuuint64_t(p.heads_k),
+                        cuuint64_t(p.cache_batch)};
+  cuuint64_t strides[3] = {cuuint64_t(row * element_bytes), cuuint64_t(head * element_bytes),
+                           cuuint64_t(batch * element_bytes)};
+  cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
+  cuuint32_t steps[4] = {1, 1, 1, 1};
+  CUtensorMap map;
+  const CUresult result = cutlass::call_cuTensorMapEncodeTiled(
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(ptr), dims, strides, box, steps,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS) {
+    throw std::runtime_error("flash_attn: fa2 decode: cuTensorMapEncodeTiled failed (CUresult " +
+                             std::to_string(int(result)) + ")");
+  }
+  return map;
+}
+
+template <typename T, int kHeadDim, int kHalves, bool kTma>
+void launch_decode_kernel(const FwdParams& p, const DecodeTmaMaps& maps, cudaStream_t stream) {
   using Tr = DecodeTraits<T, kHeadDim>;
-  auto kernel = int64_t(p.seqlen_q) * (p.heads / p.heads_k) <= kDecodeRows / 2
-                    ? decode_kernel<T, kHeadDim, 1>
-                    : decode_kernel<T, kHeadDim, 2>;
+  auto kernel = decode_kernel<T, kHeadDim, kHalves, kTma>;
   if (Tr::kSmemBytes > 48 * 1024) {
     FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Tr::kSmemBytes));
   }
   const dim3 grid(unsigned(int64_t(p.batch) * p.heads_k), unsigned(p.num_splits));
-  kernel<<<grid, 32, Tr::kSmemBytes, stream>>>(p);
+  kernel<<<grid, 32, Tr::kSmemBytes, stream>>>(p, maps);
+}
+
+template <typename T, int kHeadDim>
+void launch_decode(const FwdParams& call, const FwdPlan& plan, cudaStream_t stream) {
+  const FwdParams p = with_splits(call, plan);
+  using Tr = DecodeTraits<T, kHeadDim>;
+  const bool one_half = int64_t(p.seqlen_q) * (p.heads / p.heads_k) <= kDecodeRows / 2;
+  DecodeTmaMaps maps{};
+  bool tma = false;
+  if constexpr (kHeadDim % 64 == 0) {
+    tma = p.arch == 90 && p.block_table == nullptr && p.cache_batch > 0;
+    if (tma) {
+      maps.k = decode_tensor_map(p.k, p.k_strides, p, Tr::kBlockN, sizeof(T));
+      maps.v = decode_tensor_map(p.v, p.v_strides, p, Tr::kBlockN, sizeof(T));
+      if (one_half) {
+        launch_decode_kernel<T, kHeadDim, 1, true>(p, maps, stream);
+      } else {
+        launch_decode_kernel<T, kHeadDim, 2, true>(p, maps, stream);
+      }
+    }
+  }
+  if (!tma) {
+    if (one_half) {
+      launch_decode_kernel<T, kHeadDim, 1, false>(p, maps, stream);
+    } else {
+      launch_decode_kernel<T, kHeadDim, 2, false>(p, maps, stream);
+    }
+  }
   FLASH_CHECK_LAUNCH();
   if (p.num_splits > 1) launch_combine<typename CuteType<T>::type>(p, stream);  // launch_fwd's
 }
