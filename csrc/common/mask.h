@@ -45,7 +45,10 @@ struct Mask {
 
   // The mask of one sequence (common/seqinfo.h), aligned to its own lengths.
   __device__ Mask(const FwdParams& p, const SeqInfo& seq)
-      : seqlen_q(seq.seqlen_q(p)), seqlen_k(seq.seqlen_k(p)), left(p.window_left),
+      : Mask(p, seq.seqlen_q(p), seq.seqlen_k(p)) {}
+  // The same from lengths read before (FA3's consumers take them from the producer).
+  __device__ Mask(const FwdParams& p, int seqlen_q_, int seqlen_k_)
+      : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), left(p.window_left),
         right(p.causal ? 0 : p.window_right) {}
 
   // Query row i's diagonal key, bottom-right aligned.

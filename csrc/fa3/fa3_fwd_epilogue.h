@@ -220,7 +220,7 @@ struct FwdEpilogue {
     Element* o = static_cast<Element*>(p.o) + seq.o_offset(p, it.head);
     // Variable-length: rows from seqused_q to the sequence's end take no part (O 0, lse +inf);
     // dense, both are seqlen_q.
-    const int used_q = seq.seqlen_q(p), rows_q = seq.rows_q(p);
+    const int used_q = it.seqlen_q, rows_q = seq.rows_q(p);
     CUTE_UNROLL
     for (int mi = 0; mi < 2; ++mi) {
       const int row = wg_row0 + get<0>(cO_rc(mi, 0));

@@ -68,14 +68,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int i = mainloop.take(taken);
     if (i < 0) break;
     const int qb = taken % Tr::kQBufs;
-    Item it = item_at<Tr>(p, sched, i, rank);
+    Item it = item_at<Tr>(p, sched, i, rank, &shared.lengths[qb]);
     if constexpr (Scheduler::kPieces) {
       const int2 piece = shared.piece[qb];
       it.tiles.begin = piece.x;
       it.tiles.end = piece.y;
     }
     const flash::SeqInfo seq(p, it.batch);
-    const flash::Mask mask(p, seq);
+    const flash::Mask mask(p, it.seqlen_q, it.seqlen_k);
     const int wg_row0 = it.row0 + 64 * cw;
     const flash::KeyTiles tiles = mainloop.consumer_tiles(mask, it.tiles, wg_row0, state);
     Softmax<2> softmax;

@@ -32,18 +32,25 @@ namespace flash::fa3 {
 using namespace cute;
 
 // One (query tile, head, batch) item as the CTA of cluster rank `rank` sees it, with the key
-// tiles the CTA's rows see. In a cluster the order's tiles are groups of kClusterM query tiles:
-// rank r takes the r-th, and the key tiles are the group's, the same in every CTA.
+// tiles the CTA's rows see and its sequence's lengths. In a cluster the order's tiles are
+// groups of kClusterM query tiles: rank r takes the r-th, and the key tiles are the group's,
+// the same in every CTA.
 struct Item {
   int m_block, head, batch, head_k, row0;
   flash::KeyTiles tiles;
+  int seqlen_q, seqlen_k;
 };
 
+// lengths: the sequence's (seqlen_q, seqlen_k) as the producer published them (variable-length
+// batches: a consumer would otherwise read cu_seqlens / seqused again, latency at every item's
+// start), or nullptr: read them (SeqInfo).
 template <class Tr, class Scheduler>
 __device__ __forceinline__ Item item_at(const FwdParams& p, const Scheduler& sched, int i,
-                                        int rank) {
+                                        int rank, const int2* lengths = nullptr) {
   const flash::WorkItem w = sched.decode(i);
-  const flash::Mask mask(p, flash::SeqInfo(p, w.batch));
+  const flash::Mask mask = lengths != nullptr && p.cu_seqlens_q != nullptr
+                               ? flash::Mask(p, lengths->x, lengths->y)
+                               : flash::Mask(p, flash::SeqInfo(p, w.batch));
   Item it;
   const int group = sched.order.tiles - 1 - w.tile;
   it.m_block = group * Tr::kClusterM + rank;
@@ -51,6 +58,8 @@ __device__ __forceinline__ Item item_at(const FwdParams& p, const Scheduler& sch
   it.batch = w.batch;
   it.head_k = w.head_k;
   it.row0 = it.m_block * Tr::kBlockM;
+  it.seqlen_q = mask.seqlen_q;
+  it.seqlen_k = mask.seqlen_k;
   // Variable-length: the items cover the longest sequence; a tile past this one's used rows
   // sees no key (its rows up to the sequence's end are written as rows that see none).
   const int group_row0 = group * Tr::kClusterM * Tr::kBlockM;
@@ -197,6 +206,7 @@ struct FwdMainloop {
       }
       compiler_fence();  // the wait (asm without a memory clobber) before the write
       shared.item[qb] = done ? -1 : i;
+      shared.lengths[qb] = make_int2(it.seqlen_q, it.seqlen_k);
       if constexpr (Scheduler::kPieces) {
         shared.piece[qb] = make_int2(it.tiles.begin, it.tiles.end);
       }

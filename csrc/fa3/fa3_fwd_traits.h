@@ -96,6 +96,7 @@ struct FwdTraits {
     alignas(8) uint64_t q_empty[kQBufs];  // every consumer thread done with the index and Q
     int item[kQBufs];                     // the item in the buffer, -1: none left
     int2 piece[kQBufs];                   // stream-K: the item's key tiles [x, y) in this piece
+    int2 lengths[kQBufs];                 // variable-length: the item's (seqlen_q, seqlen_k)
     int split_old[kConsumers];            // stream-K: the item's pieces finished before this
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
