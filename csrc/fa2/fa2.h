@@ -143,7 +143,9 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
   plan.workspace_bytes = rows * kernel_hdim * 4 + counters * 4 + rows * 4;
   plan.dq_bulk = p.arch >= 90 && !p.deterministic && tuning.fa2_dq_bulk != 0;
   plan.dq_defer = !p.deterministic && tuning.fa2_dq_defer != 0;
-  plan.pdl = p.arch >= 90 && tuning.fa2_pdl != 0;
+  // sm90 only: other GPUs run the wheel's compute_80 PTX, where common/pdl.h's waits compile
+  // away, and a programmatic launch without them would read what the kernel ahead still writes.
+  plan.pdl = p.arch == 90 && tuning.fa2_pdl != 0;
   plan.head_group = tuning.head_group;
   return plan;
 }

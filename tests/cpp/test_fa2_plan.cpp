@@ -1,11 +1,13 @@
-// The FA2 forward's per-call plan (csrc/fa2/fa2.h) on the CPU, for calls over a KV cache: which
-// kernel runs (the decode kernel or the forward's), how many key splits, how much workspace.
+// The FA2 per-call plans (csrc/fa2/fa2.h) on the CPU: for forward calls over a KV cache, which
+// kernel runs (the decode kernel or the forward's), how many key splits, how much workspace; for
+// the backward, where programmatic launch is used.
 // Built and run by tests/test_plans.py. Exit status 0: every check passed.
 #include <cstdio>
 
 #include "fa2/fa2.h"
 #include "check.h"
 
+using flash::BwdParams;
 using flash::FwdParams;
 using flash::Tuning;
 using namespace flash::fa2;
@@ -67,6 +69,22 @@ int main() {
     odd.splits_requested = 3;
     CHECK(plan_fwd(odd, 128).workspace_bytes == (4 + 3 * 128) * 4);
     CHECK(plan_fwd(decode(128, 1, 32, 8, 8192), 128).workspace_bytes == 0);
+  }
+
+  // The backward's programmatic launch: sm90 only (elsewhere the kernels' waits are compiled
+  // out of the PTX they run), off with fa2_pdl = 0.
+  {
+    BwdParams p;
+    p.batch = 2, p.heads = 8, p.heads_k = 8, p.seqlen_q = p.seqlen_k = 1024, p.head_dim = 128;
+    p.arch = 90;
+    CHECK(plan_bwd(p, 128).pdl);
+    Tuning off;
+    off.fa2_pdl = 0;
+    CHECK(!plan_bwd(p, 128, off).pdl);
+    p.arch = 100;
+    CHECK(!plan_bwd(p, 128).pdl);
+    p.arch = 80;
+    CHECK(!plan_bwd(p, 128).pdl);
   }
 
   return check_status("fa2 plan");
