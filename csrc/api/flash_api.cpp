@@ -829,7 +829,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
   p.seqlen_new = int(seqlen_new);
   p.cache_batch_idx = rows;
   p.cache_leftpad = leftpad;
-  p.cache_batch = paged ? 0 : int(k_cache.size(0));
+  p.cache_batch = int(k_cache.size(0));
   p.splits_requested = int(std::min<int64_t>(num_splits, 1 << 20));
   p.rng_state = nullptr;
   kernel.fwd(p, kernel.hdim, parse_tuning(tuning), q);

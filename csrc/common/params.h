@@ -68,7 +68,7 @@ struct FwdParams {
   const int* cache_batch_idx = nullptr;
   const int* cache_leftpad = nullptr;
   int cache_seqlen = 0, seqlen_new = 0;
-  int cache_batch = 0;  // KV cache: the caches' batch size (their rows; >= batch with cache_batch_idx)
+  int cache_batch = 0;  // KV cache: k / v's first extent: the caches (>= batch with cache_batch_idx) or a pool's pages
   int head_dim = 0;  // the real head dim (<= the kernel's kHeadDim)
 
   float softmax_scale = 0.f;       // applied to q.k

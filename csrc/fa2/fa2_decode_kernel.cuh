@@ -7,12 +7,12 @@
 // split's share of the keys streams through kDecodeStages buffers. Each K / V byte is
 // read once per (sequence, KV head); the tensor cores idle, as they may: this is a copy with
 // arithmetic on the side. Split-KV writes fp32 partials that combine_splits_kernel merges.
-// On sm90 the K / V tiles come by the TMA unit onto one mbarrier per stage: a contiguous cache
-// (head dim a multiple of 64) as two boxes per tile, a paged one (any page size) as one bulk
-// copy per row; elsewhere by cp.async. A warp is bound by what it issues: the per-row copies
-// were 60% of the instructions executed (ncu, H100, batch 128, 8k cache: 211M, 84M with the
-// boxes) and held the kernel at 2.9 TB/s; the boxes reach 3.1, 92% of the HBM peak and
-// cuDNN's decode rate (docs/fa2_decisions.md).
+// On sm90 the K / V tiles come by the TMA unit onto one mbarrier per stage, at a head dim that
+// is a multiple of 64 as boxes (a contiguous cache, pages of a multiple of 8 rows), otherwise
+// as one bulk copy per row; elsewhere by cp.async. A warp is bound by what it issues: the
+// per-row copies were 60% of the instructions executed (ncu, H100, batch 128, 8k cache: 211M,
+// 84M with the boxes) and held the kernel at 2.9 TB/s; the boxes reach 3.1, 92% of the HBM
+// peak and cuDNN's decode rate (docs/fa2_decisions.md).
 //
 // Fragments follow common/mma.cuh (m16n8k16, g = lane / 4, t = lane % 4): a lane holds rows
 // g and g + 8 of S and O, columns 2t, 2t + 1 of each 8-wide slice.
@@ -30,11 +30,13 @@
 
 namespace flash::fa2 {
 
-// sm90, contiguous caches, kHeadDim a multiple of 64: K / V tiles by TMA boxes of 64 columns x
-// kBlockN rows (one request per box instead of one bulk copy per row), from 4-D tensor maps
-// (head_dim, rows, heads_k, batch) of k and v built by the launcher; unused otherwise.
+// sm90, kHeadDim a multiple of 64, a contiguous cache or pages of a multiple of 8 rows: K / V
+// tiles by TMA boxes of 64 columns x box_rows rows (kBlockN for a contiguous cache; for a paged
+// one the largest that divides both the page and kBlockN, so that a box never crosses a page),
+// from 4-D tensor maps (head_dim, rows, heads_k, caches or pages) the launcher builds.
 struct DecodeTmaMaps {
   CUtensorMap k, v;
+  int box_rows;
 };
 
 template <typename T, int kHeadDim>
@@ -166,16 +168,28 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
   __syncwarp();
   auto load_tile = [&](int n, int stage) {
     if constexpr (kTma) {
-      // Whole boxes (rows past the cache and columns past head_dim come as zeros, and count).
+      // Whole boxes: rows past the sequence come with the last one (past a contiguous cache's
+      // end, like columns past head_dim, as zeros), and count; boxes wholly past the sequence are not requested (their
+      // block-table entries may be anything). A box's rows start at a 1024-byte multiple
+      // (box_rows % 8 == 0), so the boxes of a part lay out as one box of kBlockN rows would.
       constexpr int kParts = kHeadDim / 64;
-      if (lane == 0) bulk_expect(bar + stage, 2 * kBlockN * kHeadDim * sizeof(T));
+      static_assert(2 * kParts * (kBlockN / 8) <= 32, "a lane per box");
+      const int box_rows = maps.box_rows;
+      const int live = min(kBlockN / box_rows, (mask.seqlen_k - n * kBlockN + box_rows - 1) / box_rows);
+      if (lane == 0) bulk_expect(bar + stage, 2 * kParts * live * box_rows * 64 * sizeof(T));
       __syncwarp();
-      if (lane < 2 * kParts) {
-        const int part = lane % kParts;
-        const bool is_v = lane >= kParts;
-        T* dst = (is_v ? sV : sK) + stage * kBlockN * kKvRow + part * kBlockN * 64;
-        tma_load_4d(dst, is_v ? &maps.v : &maps.k, 64 * part, seq.k_start(p) + n * kBlockN,
-                    head_k, seq.k_batch(p), bar + stage);
+      if (lane < 2 * kParts * live) {
+        const int box = lane % live, part = lane / live % kParts;
+        const bool is_v = lane >= kParts * live;
+        const int key = n * kBlockN + box * box_rows;
+        int row = seq.k_start(p) + key, batch = seq.k_batch(p);
+        if (paged) {
+          const SeqInfo::PagedKey at = seq.paged_key(p, key);
+          row = at.row;
+          batch = at.page;
+        }
+        T* dst = (is_v ? sV : sK) + stage * kBlockN * kKvRow + part * kBlockN * 64 + box * box_rows * 64;
+        tma_load_4d(dst, is_v ? &maps.v : &maps.k, 64 * part, row, head_k, batch, bar + stage);
       }
       return;
     }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -78,17 +79,18 @@ void launch_combine(const FwdParams& p, cudaStream_t stream) {
   FLASH_CHECK_LAUNCH();
 }
 
-// The tensor map of a contiguous KV cache (k or v, strides s) for the decode kernel's TMA
-// boxes: (head_dim, rows, heads_k, cache rows), boxes of 64 columns x box_rows rows in the
-// 128-byte swizzle; rows past the cache and columns past head_dim read as zeros.
+// The tensor map of a KV cache (k or v, strides s) for the decode kernel's TMA boxes:
+// (head_dim, rows, heads_k, p.cache_batch) with rows the cache's capacity, or a paged pool's
+// page size (its first extent counts pages); boxes of 64 columns x box_rows rows in the
+// 128-byte swizzle; rows past the extent and columns past head_dim read as zeros.
 inline CUtensorMap decode_tensor_map(const void* ptr, const Strides& s, const FwdParams& p,
-                                     int box_rows, int element_bytes) {
+                                     int rows, int box_rows, int element_bytes) {
   // A stride must be a multiple of 16 bytes also along a dimension of extent 1, where the
   // frontend leaves it as it comes; it is never stepped along (as in fa3_fwd_launch.cuh).
-  const int64_t row = p.seqlen_k > 1 ? s.row : p.head_dim;
-  const int64_t head = p.heads_k > 1 ? s.head : row * p.seqlen_k;
+  const int64_t row = rows > 1 ? s.row : p.head_dim;
+  const int64_t head = p.heads_k > 1 ? s.head : row * rows;
   const int64_t batch = p.cache_batch > 1 ? s.batch : head * p.heads_k;
-  cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(p.seqlen_k), cuuint64_t(p.heads_k),
+  cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(rows), cuuint64_t(p.heads_k),
                         cuuint64_t(p.cache_batch)};
   cuuint64_t strides[3] = {cuuint64_t(row * element_bytes), cuuint64_t(head * element_bytes),
                            cuuint64_t(batch * element_bytes)};
@@ -126,10 +128,16 @@ void launch_decode(const FwdParams& call, const FwdPlan& plan, cudaStream_t stre
   DecodeTmaMaps maps{};
   bool tma = false;
   if constexpr (kHeadDim % 64 == 0) {
-    tma = p.arch == 90 && p.block_table == nullptr && p.cache_batch > 0;
+    // A paged cache's boxes stay within a page: the largest power of two dividing both the
+    // page and kBlockN; pages of fewer than 8 rows (or not a multiple of 8) copy row by row.
+    const bool paged = p.block_table != nullptr;
+    const int box_rows = paged ? std::gcd(p.page_size, Tr::kBlockN) : Tr::kBlockN;
+    tma = p.arch == 90 && p.cache_batch > 0 && box_rows % 8 == 0;
     if (tma) {
-      maps.k = decode_tensor_map(p.k, p.k_strides, p, Tr::kBlockN, sizeof(T));
-      maps.v = decode_tensor_map(p.v, p.v_strides, p, Tr::kBlockN, sizeof(T));
+      const int rows = paged ? p.page_size : p.seqlen_k;
+      maps.k = decode_tensor_map(p.k, p.k_strides, p, rows, box_rows, sizeof(T));
+      maps.v = decode_tensor_map(p.v, p.v_strides, p, rows, box_rows, sizeof(T));
+      maps.box_rows = box_rows;
       if (one_half) {
         launch_decode_kernel<T, kHeadDim, 1, true>(p, maps, stream);
       } else {
