@@ -176,9 +176,9 @@ def test_paged_matches_contiguous(family, page):
         assert torch.equal(k_pool[slot], k_cache[b, n]) and torch.equal(v_pool[slot], v_cache[b, n])
 
 
-# fa2 runs a short query (seqlen_q * heads / heads_k <= 16) through its decode kernel (one warp
-# per KV head, the query heads packed into the MMA's rows; fa2_decode_kernel.cuh) and longer
-# ones through the forward's kernel; _tuning fa2_decode=0 sends the short ones there too. Both
+# fa2 runs a short query (seqlen_q * heads / heads_k <= 64) through its decode kernel (one warp
+# per KV head and 16 query rows, the query heads packed into the MMA's rows;
+# fa2_decode_kernel.cuh) and longer ones through the forward's kernel; _tuning fa2_decode=0 sends the short ones there too. Both
 # against the references, on the same inputs, with NaN in every cache row past the keys.
 @pytest.mark.parametrize("tuning", [None, {"fa2_decode": 0}], ids=["auto", "forward_kernel"])
 @pytest.mark.parametrize("case", [
@@ -186,7 +186,9 @@ def test_paged_matches_contiguous(family, page):
     dict(seqlen_q=1, heads=(8, 1), d=128, alibi=True),
     dict(seqlen_q=2, heads=(16, 2), d=64, softcap=20.0, window_size=(300, 0)),
     dict(seqlen_q=3, heads=(12, 3), d=96, causal=True),
-    dict(seqlen_q=5, heads=(16, 4), d=128, causal=True),  # 20 rows: the forward's kernel
+    dict(seqlen_q=5, heads=(16, 4), d=128, causal=True),  # 20 rows: two groups of 16
+    dict(seqlen_q=8, heads=(64, 8), d=128, causal=True, softcap=30.0),  # 64: four groups
+    dict(seqlen_q=9, heads=(64, 8), d=64, causal=True),  # 72 rows: the forward's kernel
     dict(seqlen_q=1, heads=(16, 16), d=256, alibi=True, softcap=10.0),
     dict(seqlen_q=4, heads=(8, 2), d=128, causal=True, page=16),
     dict(seqlen_q=1, heads=(32, 8), d=128, page=1, window_size=(100, -1)),
@@ -197,7 +199,10 @@ def test_paged_matches_contiguous(family, page):
     dict(seqlen_q=2, heads=(8, 2), d=128, page=24, causal=True),
 ], ids=lambda c: "-".join(f"{k}{v}".replace(" ", "") for k, v in c.items()))
 def test_decode_kernel(case, tuning):
-    dtype, batch, capacity = torch.bfloat16, 4, 2500
+    # capacity: whole pages of every size below, so that the paged call's capacity (a whole
+    # number of pages) is the contiguous one's, with the same key tiles and splits: its result
+    # must then be bitwise the same.
+    dtype, batch, capacity = torch.bfloat16, 4, 2496
     case = dict(case)
     seqlen_q, (h, hk), d = case.pop("seqlen_q"), case.pop("heads"), case.pop("d")
     page = case.pop("page", None)

@@ -43,12 +43,19 @@ constexpr int fwd_block_m(int kernel_hdim) { return kernel_hdim == 256 ? 64 : 12
 constexpr int fwd_block_n(int kernel_hdim) { return kernel_hdim <= 64 ? 128 : 64; }
 
 // The decode kernel (fa2_decode_kernel.cuh), for KV-cache calls with a short query: one warp
-// per (sequence, KV head, split) holds the query rows of every query head of that KV head,
-// packed into the 16 rows of one MMA tile, and streams K / V through kDecodeStages buffers of
+// per (sequence, KV head, split, row group) holds 16 of the query rows of every query head of
+// that KV head, packed into the rows of one MMA tile, and streams K / V through kDecodeStages buffers of
 // decode_block_n keys (K and V about 16 KB a stage at any head dim). Rows are padded by 16 bytes
 // in shared memory (no swizzle: the padding alone spreads the 8 rows of an ldmatrix over all
 // banks, for any head dim).
 constexpr int kDecodeRows = 16;
+// Up to this many query rows per KV head take the decode kernel, in groups of kDecodeRows, one
+// warp each: the groups of a (sequence, KV head) are neighbouring blocks, so that all but the
+// first mostly read K / V from L2. More rows fill the forward's tiles well enough.
+constexpr int kDecodeMaxRows = 64;
+inline int decode_row_groups(const FwdParams& p) {
+  return int((int64_t(p.seqlen_q) * (p.heads / p.heads_k) + kDecodeRows - 1) / kDecodeRows);
+}
 constexpr int kDecodeStages = 3;
 constexpr int decode_block_n(int kernel_hdim) {
   return kernel_hdim <= 64 ? 64 : kernel_hdim <= 128 ? 32 : 16;
@@ -57,12 +64,11 @@ constexpr int decode_smem_bytes(int kernel_hdim) {  // tiles, then one mbarrier 
   return (kDecodeRows + 2 * kDecodeStages * decode_block_n(kernel_hdim)) * (kernel_hdim + 8) * 2 +
          8 * kDecodeStages;
 }
-// Calls over a KV cache (not variable-length, no dropout) whose query rows per KV head fit the
-// tile: seqlen_q * heads / heads_k <= 16 (one-token decode up to 16 query heads per KV head,
-// speculative decoding with a few tokens).
+// Calls over a KV cache (not variable-length, no dropout) with few query rows per KV head:
+// seqlen_q * heads / heads_k <= 64 (one-token decode, speculative decoding with a few tokens).
 inline bool decode_fits(const FwdParams& p) {
   return p.kv_cache && p.cu_seqlens_q == nullptr && p.dropout_p == 0.f &&
-         int64_t(p.seqlen_q) * (p.heads / p.heads_k) <= kDecodeRows;
+         int64_t(p.seqlen_q) * (p.heads / p.heads_k) <= kDecodeMaxRows;
 }
 
 struct FwdPlan {
@@ -112,7 +118,7 @@ inline int fwd_splits(const FwdParams& p, int kernel_hdim) {
 // TB/s where batch 128, one split, read 3.1). Shared memory per SM: sm90 228 KB, sm80 / sm87
 // 164 KB, sm86 / sm89 100 KB, less 1 KB per block.
 inline int decode_splits(const FwdParams& p, int kernel_hdim) {
-  const int64_t items = int64_t(p.batch) * p.heads_k;
+  const int64_t items = int64_t(p.batch) * p.heads_k * decode_row_groups(p);
   const int64_t tiles = (p.seqlen_k + decode_block_n(kernel_hdim) - 1) / decode_block_n(kernel_hdim);
   int64_t splits = p.splits_requested;
   if (splits <= 0) {

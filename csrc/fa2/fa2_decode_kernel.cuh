@@ -3,10 +3,13 @@
 // all but one row of every MMA and reads the KV head's K / V once per query head: compute-
 // bound at a third of the memory bandwidth. Here one warp owns one (sequence, KV head, split):
 // the query rows of all heads that share the KV head are packed into the 16 rows of one MMA
-// tile, row r = (token r / G, query head head_k * G + r % G) with G = heads / heads_k, and the
+// tile, row R = (token R / G, query head head_k * G + R % G) with G = heads / heads_k, and the
 // split's share of the keys streams through kDecodeStages buffers. Each K / V byte is
 // read once per (sequence, KV head); the tensor cores idle, as they may: this is a copy with
 // arithmetic on the side. Split-KV writes fp32 partials that combine_splits_kernel merges.
+// More than 16 rows (up to kDecodeMaxRows: a few speculative tokens at G = 8) take one warp
+// per group of 16 (tile row r is R = row0 + r), neighbouring blocks that read the same K / V,
+// all but one mostly from L2.
 // On sm90 the K / V tiles come by the TMA unit onto one mbarrier per stage, at a head dim that
 // is a multiple of 64 as boxes (a contiguous cache, pages of a multiple of 8 rows), otherwise
 // as one bulk copy per row; elsewhere by cp.async. A warp is bound by what it issues: the
@@ -67,7 +70,7 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using Tr = DecodeTraits<T, kHeadDim>;
   constexpr int kBlockN = Tr::kBlockN, kPitch = Tr::kPitch, kChunks = Tr::kChunks;
-  constexpr int kStages = Tr::kStages;
+  constexpr int kStages = Tr::kStages, kRows = Tr::kRows;
   // K / V rows: kPitch elements padded, or kHeadDim in TMA parts of 64 columns.
   constexpr int kKvRow = kTma ? kHeadDim : kPitch;
   static_assert(!kTma || (kHeadDim % 64 == 0 && kBlockN % 8 == 0));
@@ -90,22 +93,28 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
   };
 
   const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
-  const int head_k = int(blockIdx.x % unsigned(p.heads_k));
-  const SeqInfo seq(p, int(blockIdx.x / unsigned(p.heads_k)));
-  const int split = blockIdx.y;
+  // blockIdx.x: (sequence, KV head, row group), the row group fastest (fa2.h, kDecodeMaxRows).
   const int group = p.heads / p.heads_k;
-  const int rows = p.seqlen_q * group;  // <= kRows
+  const int rows_all = p.seqlen_q * group;  // <= kDecodeMaxRows
+  const unsigned row_groups = unsigned(rows_all + kRows - 1) / kRows;
+  const int row0 = int(blockIdx.x % row_groups) * kRows;
+  const int rows = min(kRows, rows_all - row0);  // this warp's: tile row r is row row0 + r
+  const unsigned item = blockIdx.x / row_groups;
+  const int head_k = int(item % unsigned(p.heads_k));
+  const SeqInfo seq(p, int(item / unsigned(p.heads_k)));
+  const int split = blockIdx.y;
   const Mask mask(p, seq);
 
   // ---- this split's key tiles: its share of the tiles some row sees -------------------------
-  const int lo = mask.key_begin(0), hi = mask.key_end(p.seqlen_q - 1);
+  const int token_first = row0 / group, token_last = (row0 + rows - 1) / group;
+  const int lo = mask.key_begin(token_first), hi = mask.key_end(token_last);
   const int all_begin = lo / kBlockN, all_end = hi > lo ? (hi + kBlockN - 1) / kBlockN : all_begin;
   const int per = (all_end - all_begin + p.num_splits - 1) / p.num_splits;
   const int tile_begin = all_begin + split * per;
   const int tiles = max(0, min(all_end, tile_begin + per) - tile_begin);
 
   // The keys every query row sees (rows see more keys as their token grows).
-  const int seen_by_all_begin = mask.key_begin(p.seqlen_q - 1), seen_by_all_end = mask.key_end(0);
+  const int seen_by_all_begin = mask.key_begin(token_last), seen_by_all_end = mask.key_end(token_first);
   const bool alibi = p.alibi_slopes != nullptr;
 
   // ---- the two rows of each lane: token, head, visible keys, ALiBi slope --------------------
@@ -114,8 +123,8 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = g + 8 * i;
-    row_token[i] = r / group;
-    row_head[i] = head_k * group + r % group;
+    row_token[i] = (row0 + r) / group;
+    row_head[i] = head_k * group + (row0 + r) % group;
     key_lo[i] = mask.key_begin(row_token[i]);
     key_hi[i] = r < rows ? mask.key_end(row_token[i]) : 0;  // padding rows: no key
     slope[i] = 0.f;
@@ -132,8 +141,8 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
     for (int c = lane; c < Tr::kRows * kChunks; c += 32) {
       const int r = c / kChunks, col = c % kChunks * 8;
       const bool ok = r < rows && col < p.head_dim;
-      const T* src = ok ? q + seq.q_offset(p, head_k * group + r % group) +
-                              int64_t(r / group) * p.q_strides.row + col
+      const T* src = ok ? q + seq.q_offset(p, head_k * group + (row0 + r) % group) +
+                              int64_t((row0 + r) / group) * p.q_strides.row + col
                         : q;
       copy16_async(sQ + r * kPitch + col, src, ok);
     }
@@ -159,9 +168,12 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
 #if __CUDA_ARCH__ >= 900
   // One bulk copy per K or V row of the tile, lanes taking K rows then V rows; rows past the
   // sequence are not copied. Their buffers (and columns past head_dim) hold zeros written
-  // here once, or an earlier tile's finite rows: K's are masked, V's meet P = 0.
-  for (int i = lane; i < 2 * kStages * kBlockN * kKvRow / 8; i += 32) {
-    reinterpret_cast<uint4*>(sK)[i] = make_uint4(0, 0, 0, 0);
+  // here once, or an earlier tile's finite rows: K's are masked, V's meet P = 0. TMA boxes
+  // need no zeros: they fill whole rows, and the rows past the sequence are fixed per tile.
+  if constexpr (!kTma) {
+    for (int i = lane; i < 2 * kStages * kBlockN * kKvRow / 8; i += 32) {
+      reinterpret_cast<uint4*>(sK)[i] = make_uint4(0, 0, 0, 0);
+    }
   }
   if (lane < kStages) bulk_barrier_init(bar + lane);
   fence_proxy_async();
@@ -256,9 +268,11 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
     const T* k_s = sK + stage * kBlockN * kKvRow;
     const T* v_s = sV + stage * kBlockN * kKvRow;
     if constexpr (kTma) {
-      // A TMA box reads the cache rows past the sequence too (stale, possibly NaN): their V
-      // rows become zeros before P V (K's are masked); the next box into this buffer is
-      // ordered after these writes by the fence.
+      // The sequence's last tile: its rows past the sequence hold what the box read past it
+      // (stale, possibly NaN) or, for boxes not requested, whatever the buffer held (never
+      // initialised). Their V rows become zeros before P V; their K rows are masked (the
+      // tile takes the mask branch). The fence orders these writes before any later async
+      // write into the buffer (a later tile of this split: none today).
       const int valid = mask.seqlen_k - n * kBlockN;
       if (valid < kBlockN) {
         __syncwarp();

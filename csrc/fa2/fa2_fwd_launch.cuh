@@ -116,7 +116,7 @@ void launch_decode_kernel(const FwdParams& p, const DecodeTmaMaps& maps, cudaStr
     FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Tr::kSmemBytes));
   }
-  const dim3 grid(unsigned(int64_t(p.batch) * p.heads_k), unsigned(p.num_splits));
+  const dim3 grid(unsigned(int64_t(p.batch) * p.heads_k * decode_row_groups(p)), unsigned(p.num_splits));
   kernel<<<grid, 32, Tr::kSmemBytes, stream>>>(p, maps);
 }
 

@@ -22,12 +22,14 @@ static FwdParams decode(int batch, int seqlen_q, int heads, int heads_k, int cac
 }
 
 int main() {
-  // Which kernel: the decode kernel while seqlen_q * heads / heads_k fits 16 rows.
+  // Which kernel: the decode kernel while seqlen_q * heads / heads_k is at most 64 rows (in
+  // groups of 16, one block each).
   CHECK(plan_fwd(decode(4, 1, 32, 8, 8192), 128).decode);
   CHECK(plan_fwd(decode(4, 4, 32, 8, 8192), 128).decode);   // 16 rows
-  CHECK(plan_fwd(decode(4, 2, 64, 8, 8192), 128).decode);   // 16 rows
-  CHECK(!plan_fwd(decode(4, 5, 16, 4, 8192), 128).decode);  // 20 rows: the forward's kernel
-  CHECK(!plan_fwd(decode(4, 1, 32, 1, 8192), 128).decode);  // MQA with 32 heads: 32 rows
+  CHECK(plan_fwd(decode(4, 5, 16, 4, 8192), 128).decode);   // 20 rows: two groups
+  CHECK(plan_fwd(decode(4, 8, 64, 8, 8192), 128).decode);   // 64 rows
+  CHECK(!plan_fwd(decode(4, 9, 64, 8, 8192), 128).decode);  // 72 rows: the forward's kernel
+  CHECK(!plan_fwd(decode(4, 1, 128, 1, 8192), 128).decode);  // MQA with 128 heads
   {
     FwdParams p = decode(4, 1, 32, 8, 8192);
     Tuning off;
@@ -45,6 +47,7 @@ int main() {
   CHECK(plan_fwd(decode(32, 1, 32, 8, 8192), 128).num_splits == 2);   // 512 blocks
   CHECK(plan_fwd(decode(128, 1, 32, 8, 8192), 128).num_splits == 1);  // 1024 items
   CHECK(plan_fwd(decode(1, 1, 32, 8, 100), 128).num_splits == 1);     // 4 tiles
+  CHECK(plan_fwd(decode(8, 8, 32, 8, 8192), 128).num_splits == 4);    // 2 groups: 512 blocks
   for (int batch : {1, 2, 3, 5, 8, 13, 32, 60, 66}) {
     const int splits = plan_fwd(decode(batch, 1, 32, 8, 65536), 128).num_splits;
     CHECK(splits >= 1 && (splits == 1 || int64_t(batch) * 8 * splits <= 528));
