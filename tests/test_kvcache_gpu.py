@@ -289,3 +289,23 @@ def test_decode_kernel_splits_with_odd_rows():
     k_cache, v_cache = (randn(3, 4096, 1, d, dtype=dtype) for _ in range(2))
     lengths = torch.tensor([4096, 1000, 3], dtype=torch.int32, device=DEVICE)
     check_call("fa2", q, k_cache, v_cache, dtype, cache_seqlens=lengths, num_splits=3)
+
+
+def test_decode_chain_matches_plain_launches():
+    # sm90 launches kvcache_prep, the decode kernel and the combine as a programmatic chain
+    # (each may start before the one ahead ends, and waits before reading what it wrote);
+    # fa2_pdl=0 launches them plainly. Same results, bitwise, with splits and an append.
+    dtype, d = torch.bfloat16, 128
+    skip_unless_kvcache("fa2", dtype, d)
+    q = randn(3, 1, 32, d, dtype=dtype)
+    k, v = (randn(3, 1, 8, d, dtype=dtype) for _ in range(2))
+    caches = [randn(3, 4096, 8, d, dtype=dtype) for _ in range(2)]
+    lengths = torch.tensor([4095, 17, 2000], dtype=torch.int32, device=DEVICE)
+    outs = []
+    for tuning in (None, {"fa2_pdl": 0}):
+        k_cache, v_cache = (c.clone() for c in caches)
+        outs.append(flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                       cache_seqlens=lengths, causal=True,
+                                                       num_splits=5, backend="fa2",
+                                                       _tuning=tuning))
+    assert torch.equal(outs[0], outs[1])

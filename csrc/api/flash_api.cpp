@@ -778,6 +778,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
   // 2.x rotates q row i at cached + i when the call is causal or local, else every row at
   // cached (the frontend has made a window side past the cache unbounded).
   at::Tensor q_attn = q;
+  bool after_prep = false;
   if (append || rotary) {
     flash::KvcachePrep prep;
     prep.bf16 = q.scalar_type() == at::kBFloat16;
@@ -817,7 +818,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
     prep.cache_batch_idx = rows;
     prep.cache_seqlens = cached;
     prep.cache_seqlen = cached_all;
-    flash::launch_kvcache_prep(prep, stream);
+    after_prep = flash::launch_kvcache_prep(prep, stream);
   }
 
   fill_fwd(p, q_attn, k_cache, v_cache, out, lse, softmax_scale,
@@ -830,6 +831,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
   p.cache_batch_idx = rows;
   p.cache_leftpad = leftpad;
   p.cache_batch = int(k_cache.size(0));
+  p.after_prep = after_prep;
   p.splits_requested = int(std::min<int64_t>(num_splits, 1 << 20));
   p.rng_state = nullptr;
   kernel.fwd(p, kernel.hdim, parse_tuning(tuning), q);

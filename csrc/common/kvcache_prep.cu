@@ -6,6 +6,7 @@
 
 #include "common/check.h"
 #include "common/kvcache_prep.h"
+#include "common/pdl.h"
 
 namespace flash {
 namespace {
@@ -44,6 +45,11 @@ __device__ int clamp_position(const KvcachePrep& p, int pos) {
 // Block (row, b): row `row` of sequence b's new keys / values and of its q.
 template <class T>
 __global__ void __launch_bounds__(kThreads) kvcache_prep_kernel(const KvcachePrep p) {
+  // The attention kernel after this one, if launched with pdl (fa2's decode kernel), may be
+  // scheduled now: its prologue overlaps this kernel, and it waits for this grid's writes.
+  // This kernel itself must never be launched with pdl: the decode kernel's prologue reads the
+  // lengths before its wait, safe only because whatever wrote them finished before this began.
+  pdl_launch_dependents();
   const int b = blockIdx.y, row = blockIdx.x;
   const int cached = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.cache_seqlen;
   if (p.k_new != nullptr && row < p.seqlen_new) {
@@ -85,10 +91,10 @@ __global__ void __launch_bounds__(kThreads) kvcache_prep_kernel(const KvcachePre
 
 }  // namespace
 
-void launch_kvcache_prep(const KvcachePrep& p, cudaStream_t stream) {
+bool launch_kvcache_prep(const KvcachePrep& p, cudaStream_t stream) {
   const int rows = std::max(p.k_new != nullptr ? p.seqlen_new : 0,
                             p.q_out != nullptr ? p.seqlen_q : 0);
-  if (rows == 0 || p.batch == 0) return;
+  if (rows == 0 || p.batch == 0) return false;
   const dim3 grid(unsigned(rows), unsigned(p.batch));
   if (p.bf16) {
     kvcache_prep_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p);
@@ -96,6 +102,7 @@ void launch_kvcache_prep(const KvcachePrep& p, cudaStream_t stream) {
     kvcache_prep_kernel<__half><<<grid, kThreads, 0, stream>>>(p);
   }
   FLASH_CHECK_LAUNCH();
+  return true;
 }
 
 }  // namespace flash

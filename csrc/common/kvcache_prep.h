@@ -52,6 +52,7 @@ struct KvcachePrep {
 // Throws std::runtime_error on a launch failure. Positions past the cache are not written and
 // rotary positions past the tables are clamped: a tensor cache_seqlens is never read on the
 // host, so the frontend cannot check it.
-void launch_kvcache_prep(const KvcachePrep& p, cudaStream_t stream);
+// Returns whether it launched (nothing to append or rotate: no kernel).
+bool launch_kvcache_prep(const KvcachePrep& p, cudaStream_t stream);
 
 }  // namespace flash

@@ -68,6 +68,8 @@ struct FwdParams {
   const int* cache_batch_idx = nullptr;
   const int* cache_leftpad = nullptr;
   int cache_seqlen = 0, seqlen_new = 0;
+  // KV cache: kvcache_prep is the kernel just ahead (it lets a pdl-launched kernel start).
+  bool after_prep = false;
   int cache_batch = 0;  // KV cache: k / v's first extent: the caches (>= batch with cache_batch_idx) or a pool's pages
   int head_dim = 0;  // the real head dim (<= the kernel's kHeadDim)
 

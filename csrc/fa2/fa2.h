@@ -76,6 +76,12 @@ struct FwdPlan {
   int head_group = 0;           // the tile order's heads per group; 0: automatic
   int num_splits = 1;
   bool decode = false;          // the decode kernel (decode_fits), else the forward's
+  // sm90, decode after kvcache_prep: the decode kernel and the combine with programmatic
+  // launch (common/pdl.h), scheduled while the kernel ahead (kvcache_prep, the decode kernel)
+  // finishes. Only after kvcache_prep: the decode kernel reads the lengths before its wait,
+  // safe when the kernel ahead is one that never writes them and began after all that did.
+  // sm90 only: elsewhere the wheel's compute_80 PTX has no waits.
+  bool pdl = false;
 };
 
 // Backward scratch, laid out by the launcher (fa2_bwd_launch.cuh), rows_pad = round_up(seqlen_q,
@@ -135,6 +141,7 @@ inline FwdPlan plan_fwd(const FwdParams& p, int kernel_hdim, const Tuning& tunin
   plan.head_group = tuning.head_group;
   plan.decode = tuning.fa2_decode != 0 && decode_fits(p);
   plan.num_splits = plan.decode ? decode_splits(p, kernel_hdim) : fwd_splits(p, kernel_hdim);
+  plan.pdl = plan.decode && p.after_prep && p.arch == 90 && tuning.fa2_pdl != 0;
   if (plan.num_splits > 1) {
     const int64_t rows = int64_t(plan.num_splits) * p.batch * p.heads * p.seqlen_q;
     plan.workspace_bytes = (round_up(rows, 4) + rows * p.head_dim) * 4;  // lse, then O (16 B aligned)

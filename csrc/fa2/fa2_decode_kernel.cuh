@@ -27,6 +27,7 @@
 
 #include "common/mask.h"
 #include "common/mma.cuh"
+#include "common/pdl.h"
 #include "common/params.h"
 #include "common/seqinfo.h"
 #include "fa2/fa2.h"
@@ -135,6 +136,11 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
   }
 
   // ---- copies ---------------------------------------------------------------------------------
+  // Launched with pdl (sm90, after kvcache_prep: fa2.h's FwdPlan), the block may run while
+  // kvcache_prep still writes the new keys into the cache and the rotated q: everything above
+  // reads only what it does not write (lengths, leftpad, slopes); from here on (Q, block
+  // table, K / V) the block reads what it wrote.
+  pdl_wait();
   // Q: rows past `rows` and columns past head_dim are zero.
   {
     const T* q = static_cast<const T*>(p.q);
@@ -396,6 +402,10 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
     }
   }
   copy_async_wait<0>();  // no copy outlives the block (sm90: the loop waited for every tile)
+
+  // The combine (launched with pdl) may be scheduled once every block is this far; it waits
+  // for the whole grid before it reads a partial.
+  pdl_launch_dependents();
 
   // ---- epilogue: O / l and the lse of each row; partials in fp32 when the keys are split ------
   const bool partial = p.num_splits > 1;

@@ -10,6 +10,7 @@
 #include <cutlass/cuda_host_adapter.hpp>
 
 #include "common/check.h"
+#include "common/pdl.h"
 #include "fa2/fa2.h"
 #include "fa2/fa2_decode_kernel.cuh"
 #include "fa2/fa2_fwd_kernel.cuh"
@@ -29,6 +30,7 @@ __global__ void __launch_bounds__(128) combine_splits_kernel(const __grid_consta
   const int64_t r = blockIdx.x;  // (batch, head, row) as lse's
   const int i = int(r % p.seqlen_q), h = int(r / p.seqlen_q % p.heads);
   const int b = int(r / p.seqlen_q / p.heads);
+  pdl_wait();  // the partials (a no-op unless launched with pdl: launch_decode)
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     float m = -INFINITY;
@@ -73,9 +75,9 @@ inline FwdParams with_splits(const FwdParams& call, const FwdPlan& plan) {
 
 // Element: CuTe's 16-bit type (FwdTraits::Element), one instantiation for both forwards.
 template <typename Element>
-void launch_combine(const FwdParams& p, cudaStream_t stream) {
+void launch_combine(const FwdParams& p, cudaStream_t stream, bool pdl = false) {
   const int64_t rows = int64_t(p.batch) * p.heads * p.seqlen_q;
-  combine_splits_kernel<Element><<<unsigned(rows), 128, 0, stream>>>(p);
+  launch(combine_splits_kernel<Element>, dim3(unsigned(rows)), dim3(128), 0, stream, pdl, p);
   FLASH_CHECK_LAUNCH();
 }
 
@@ -109,15 +111,17 @@ inline CUtensorMap decode_tensor_map(const void* ptr, const Strides& s, const Fw
 }
 
 template <typename T, int kHeadDim, int kHalves, bool kTma>
-void launch_decode_kernel(const FwdParams& p, const DecodeTmaMaps& maps, cudaStream_t stream) {
+void launch_decode_kernel(const FwdParams& p, const DecodeTmaMaps& maps, cudaStream_t stream,
+                          bool pdl) {
   using Tr = DecodeTraits<T, kHeadDim>;
   auto kernel = decode_kernel<T, kHeadDim, kHalves, kTma>;
   if (Tr::kSmemBytes > 48 * 1024) {
     FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           Tr::kSmemBytes));
   }
-  const dim3 grid(unsigned(int64_t(p.batch) * p.heads_k * decode_row_groups(p)), unsigned(p.num_splits));
-  kernel<<<grid, 32, Tr::kSmemBytes, stream>>>(p, maps);
+  const dim3 grid(unsigned(int64_t(p.batch) * p.heads_k * decode_row_groups(p)),
+                  unsigned(p.num_splits));
+  launch(kernel, grid, dim3(32), Tr::kSmemBytes, stream, pdl, p, maps);
 }
 
 template <typename T, int kHeadDim>
@@ -139,21 +143,22 @@ void launch_decode(const FwdParams& call, const FwdPlan& plan, cudaStream_t stre
       maps.v = decode_tensor_map(p.v, p.v_strides, p, rows, box_rows, sizeof(T));
       maps.box_rows = box_rows;
       if (one_half) {
-        launch_decode_kernel<T, kHeadDim, 1, true>(p, maps, stream);
+        launch_decode_kernel<T, kHeadDim, 1, true>(p, maps, stream, plan.pdl);
       } else {
-        launch_decode_kernel<T, kHeadDim, 2, true>(p, maps, stream);
+        launch_decode_kernel<T, kHeadDim, 2, true>(p, maps, stream, plan.pdl);
       }
     }
   }
   if (!tma) {
     if (one_half) {
-      launch_decode_kernel<T, kHeadDim, 1, false>(p, maps, stream);
+      launch_decode_kernel<T, kHeadDim, 1, false>(p, maps, stream, plan.pdl);
     } else {
-      launch_decode_kernel<T, kHeadDim, 2, false>(p, maps, stream);
+      launch_decode_kernel<T, kHeadDim, 2, false>(p, maps, stream, plan.pdl);
     }
   }
   FLASH_CHECK_LAUNCH();
-  if (p.num_splits > 1) launch_combine<typename CuteType<T>::type>(p, stream);  // launch_fwd's
+  // CuTe's element type, as launch_fwd's: one combine instantiation per dtype.
+  if (p.num_splits > 1) launch_combine<typename CuteType<T>::type>(p, stream, plan.pdl);
 }
 
 template <class Tr, bool kKvCache>

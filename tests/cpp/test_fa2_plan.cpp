@@ -38,6 +38,24 @@ int main() {
     p.kv_cache = false;  // a dense or variable-length call never takes it
     CHECK(!plan_fwd(p, 128).decode);
   }
+  // Programmatic launch of the decode kernel and its combine: sm90 decode calls right after
+  // kvcache_prep, unless fa2_pdl = 0; never the forward's kernel, never on other GPUs.
+  {
+    FwdParams p = decode(4, 1, 32, 8, 8192);
+    CHECK(!plan_fwd(p, 128).pdl);  // no append or rotary: an unknown kernel ahead
+    p.after_prep = true;
+    CHECK(plan_fwd(p, 128).pdl);
+    Tuning off;
+    off.fa2_pdl = 0;
+    CHECK(!plan_fwd(p, 128, off).pdl);
+    off = Tuning{};
+    off.fa2_decode = 0;
+    CHECK(!plan_fwd(p, 128, off).pdl);
+    p.arch = 100;
+    CHECK(!plan_fwd(p, 128).pdl);
+    p.arch = 80;
+    CHECK(!plan_fwd(p, 128).pdl);
+  }
 
   // Splits (hdim 128: 4 blocks of 56.6 KB per SM, 528 slots): as many as one wave holds, each
   // with 4 key tiles of 32 or more, never more blocks than slots.
