@@ -7,8 +7,11 @@ on the same cache, plus the host cost of one small call.
     python benchmarks/benchmark_decode.py            # hdim 128, 32 / 8 heads, batch 1-128
     python benchmarks/benchmark_decode.py --quick
 
-GPU times are per call, from CUDA graphs of 10 calls (a serving loop's decode step is a graph
-replay; the host's cost is its own row below). Rows: (batch, cache length, layout). Columns:
+GPU times are per call, from CUDA graphs of 10 calls or more (a serving loop's decode step is a
+graph replay; the host's cost is its own row below), each call over its own layer's cache as in a
+model's step: with caches smaller than the L2 cache, calls over one cache would read it from L2
+(batch 1 x 8k is 34 MB, an H100's L2 50 MB), so a row cycles over enough layers' caches to span
+four L2s. Rows: (batch, cache length, layout). Columns:
 - ours: microseconds per call and the K / V bytes it reads per second (batch x length x
   nheads_k x hdim x 2 bytes x 2 tensors);
 - copy: those bytes through `dst.copy_(src)` in the same run, counted read + written as a
@@ -41,29 +44,32 @@ import _common as C  # noqa: E402
 HEADS, HEADS_K = 32, 8  # the issue's shape (--heads / --heads-k)
 
 
-def cuda_ms(fn, reps: int, inner: int = 10) -> float:
-    """Median GPU milliseconds of one fn() call: `inner` calls captured in a CUDA graph (as a
-    serving loop runs its decode step, and so that the host's cost per call, measured apart,
-    does not leave the GPU idle between small calls), timed with CUDA events over reps
-    replays. A call that cannot be captured runs `inner` times in a plain loop instead."""
+def cuda_ms(fns, reps: int, inner: int = 10) -> float:
+    """Median GPU milliseconds of one call: the calls in fns (one per layer, or one callable)
+    in turn, max(inner, len(fns)) of them captured in a CUDA graph (as a serving loop runs its
+    decode step, and so that the host's cost per call, measured apart, does not leave the GPU
+    idle between small calls), timed with CUDA events over reps replays. Calls that cannot be
+    captured run in a plain loop instead."""
+    fns = fns if isinstance(fns, (list, tuple)) else [fns]
+    calls = [fns[i % len(fns)] for i in range(max(inner, len(fns)))]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the capture stream, as capture requires
-        for _ in range(3):
+        for fn in calls[:max(3, len(fns))]:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(inner):
+            for fn in calls:
                 fn()
         run = graph.replay
     except Exception:  # noqa: BLE001 - not capturable: time plain calls
         torch.cuda.synchronize()
 
         def run():
-            for _ in range(inner):
+            for fn in calls:
                 fn()
     run()
     torch.cuda.synchronize()
@@ -75,7 +81,7 @@ def cuda_ms(fn, reps: int, inner: int = 10) -> float:
         end.record()
         times.append((start, end))
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times) / inner
+    return statistics.median(s.elapsed_time(e) for s, e in times) / len(calls)
 
 
 def host_us(fn, calls: int = 2000) -> float:
@@ -91,11 +97,19 @@ def host_us(fn, calls: int = 2000) -> float:
     return elapsed / calls * 1e6
 
 
+def layers_for(nbytes: int) -> int:
+    """Distinct caches a row cycles over: enough to span four L2 caches (at most 64)."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(64, -(-4 * l2 // nbytes)))
+
+
 def copy_ms(nbytes: int, reps: int) -> float:
-    """Milliseconds of a device-to-device copy of nbytes (its buffers freed after)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return cuda_ms(lambda: dst.copy_(src), reps)
+    """Milliseconds of a device-to-device copy of nbytes, over as many buffer pairs as the
+    decode row has layers (freed after)."""
+    pairs = [(torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+              torch.empty(nbytes, dtype=torch.uint8, device="cuda"))
+             for _ in range(layers_for(nbytes))]
+    return cuda_ms([lambda s=s, d=d: d.copy_(s) for s, d in pairs], reps)
 
 
 def sdpa_fns(q, k_cache, v_cache, length):
@@ -136,27 +150,30 @@ def row(fa, batch: int, length: int, hdim: int, heads: int, heads_k: int, dtype,
     q = torch.randn(batch, 1, heads, hdim, device=dev, dtype=dtype)
     k_new, v_new = (torch.randn(batch, 1, heads_k, hdim, device=dev, dtype=dtype)
                     for _ in range(2))
-    k_cache, v_cache = (torch.randn(batch, length, heads_k, hdim, device=dev, dtype=dtype)
-                        for _ in range(2))
     lens = torch.full((batch,), length - 1, dtype=torch.int32, device=dev)
-    kv_bytes = 2 * batch * length * heads_k * hdim * k_cache.element_size()
-    r = dict(batch=batch, length=length, kv_bytes=kv_bytes)
+    kv_bytes = 2 * batch * length * heads_k * hdim * dtype.itemsize
+    layers = [tuple(torch.randn(batch, length, heads_k, hdim, device=dev, dtype=dtype)
+                    for _ in range(2)) for _ in range(layers_for(kv_bytes))]
+    r = dict(batch=batch, length=length, kv_bytes=kv_bytes, layers=len(layers))
 
-    def ours(kc=k_cache, vc=v_cache, **kw):
-        return fa.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens,
-                                          causal=True, **kw)
-    r["ours_ms"], r["ours_error"] = C.attempt(cuda_ms, ours, reps)
+    def ours(kc, vc, **kw):
+        return lambda: fa.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens,
+                                                  causal=True, **kw)
+    r["ours_ms"], r["ours_error"] = C.attempt(cuda_ms, [ours(kc, vc) for kc, vc in layers], reps)
     r["copy_ms"] = copy_ms(kv_bytes, reps)
     best = None
-    for name, fn in sdpa_fns(q, k_cache, v_cache, length).items():
-        ms, error = C.attempt(cuda_ms, fn, reps)
+    per_layer = [sdpa_fns(q, kc, vc, length) for kc, vc in layers]
+    for name in per_layer[0]:
+        ms, error = C.attempt(cuda_ms, [fns[name] for fns in per_layer], reps)
         r[f"sdpa_{name}_ms"] = ms
         if ms is not None and (best is None or ms < best[1]):
             best = (name, ms)
     r["sdpa_best"] = best
-    k_pool, v_pool, table = paged(k_cache, v_cache, page)
+    del per_layer
+    pools = [paged(kc, vc, page) for kc, vc in layers]
+    del layers
     r["paged_ms"], r["paged_error"] = C.attempt(
-        cuda_ms, lambda: ours(k_pool, v_pool, block_table=table), reps)
+        cuda_ms, [ours(kp, vp, block_table=t) for kp, vp, t in pools], reps)
     return r
 
 
@@ -166,14 +183,16 @@ def render(report: dict) -> str:
              f"{c['heads_k']} heads, page {c['page']})", "", *C.meta_lines(report["meta"]), "",
              "- bandwidth: K / V bytes read per second (ours, SDPA); the copy counts read + "
              "written; bars: ours >= 0.8 x copy from 8k tokens, >= 1.2 x the best SDPA, "
-             "paged >= 0.9 x contiguous", ""]
+             "paged >= 0.9 x contiguous",
+             "- layers: the caches a row's calls cycle over (each call its own, as a model's "
+             "layers), enough to span four L2 caches, so that K / V come from memory", ""]
     rows = []
     for r in report["results"]:
         def bw(ms, factor=1):
             return "-" if ms is None else f"{factor * r['kv_bytes'] / ms / 1e9:.2f}"
         best = r["sdpa_best"]
         rows.append([
-            str(r["batch"]), C.fmt_seqlen(r["length"]),
+            str(r["batch"]), C.fmt_seqlen(r["length"]), str(r.get("layers", 1)),
             "-" if r["ours_ms"] is None else f"{r['ours_ms'] * 1e3:.1f}", bw(r["ours_ms"]),
             bw(r["copy_ms"], 2),
             "-" if r["ours_ms"] is None else
@@ -183,8 +202,8 @@ def render(report: dict) -> str:
             "-" if r["paged_ms"] is None or r["ours_ms"] is None
             else f"{r['ours_ms'] / r['paged_ms']:.2f}"])
     lines.append(C.markdown_table(
-        ["batch", "cache", "ours us", "ours TB/s", "copy TB/s", "ours / copy", "SDPA best us",
-         "SDPA / ours", "paged speed / contiguous"], rows, 2))
+        ["batch", "cache", "layers", "ours us", "ours TB/s", "copy TB/s", "ours / copy",
+         "SDPA best us", "SDPA / ours", "paged speed / contiguous"], rows, 2))
     h = report["host"]
     lines += ["", f"Host cost per call (batch 1, 1k cache): ours {h.get('ours_us', '-')} us, "
                   f"SDPA cuDNN {h.get('cudnn_us', '-')} us."]

@@ -119,10 +119,14 @@ inline int fwd_splits(const FwdParams& p, int kernel_hdim) {
 
 // The decode kernel's split-KV: the call's num_splits, or as many splits as one wave of
 // blocks holds (every SM with as many of them as fit), each with four key tiles or more; at
-// most 128 and the cache's key tiles. Rounded down: a wave and a fraction of one ran at the
-// speed of two (H200, batch 8 and 32 at 8k, 9 and 3 splits: 1.09 and 1.45 waves, 1.6 and 2.2
-// TB/s where batch 128, one split, read 3.1). Shared memory per SM: sm90 228 KB, sm80 / sm87
-// 164 KB, sm86 / sm89 100 KB, less 1 KB per block.
+// most 128 and the cache's key tiles. Where that wave would take more than 8 splits (a few
+// sequences), only two blocks per SM: H100, hdim 128 (4 blocks fit per SM), one run, batch 1 /
+// 2 x 8k ran 1.13 / 1.09x faster at 33 / 16 splits than at 66 / 33 (each split's first loads
+// and partials cost more than its share of the bandwidth), while batch 8-32 ran 1-2% faster
+// with the full wave's 8-2 splits than with half. Rounded down: a wave and a fraction of one
+// ran at the speed of two (H200, batch 8 and 32 at 8k, 9 and 3 splits: 1.09 and 1.45 waves,
+// 1.6 and 2.2 TB/s where batch 128, one split, read 3.1). Shared memory per SM: sm90 228 KB,
+// sm80 / sm87 164 KB, sm86 / sm89 100 KB, less 1 KB per block.
 inline int decode_splits(const FwdParams& p, int kernel_hdim) {
   const int64_t items = int64_t(p.batch) * p.heads_k * decode_row_groups(p);
   const int64_t tiles = (p.seqlen_k + decode_block_n(kernel_hdim) - 1) / decode_block_n(kernel_hdim);
@@ -130,8 +134,10 @@ inline int decode_splits(const FwdParams& p, int kernel_hdim) {
   if (splits <= 0) {
     const int64_t sm_bytes = (p.arch == 90 ? 228 : p.arch == 80 || p.arch == 87 ? 164 : 100) * 1024;
     const int64_t per_sm = std::max<int64_t>(1, sm_bytes / (decode_smem_bytes(kernel_hdim) + 1024));
-    const int64_t slots = per_sm * std::max(p.num_sms, 1);
-    splits = std::min<int64_t>(slots / items, tiles / 4);
+    const int64_t sms = std::max(p.num_sms, 1);
+    splits = per_sm * sms / items;
+    if (splits > 8) splits = std::min<int64_t>(per_sm, 2) * sms / items;
+    splits = std::min(splits, tiles / 4);
   }
   return int(std::max<int64_t>(1, std::min<int64_t>({splits, tiles, 128})));
 }

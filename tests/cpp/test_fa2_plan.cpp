@@ -57,18 +57,29 @@ int main() {
     CHECK(!plan_fwd(p, 128).pdl);
   }
 
-  // Splits (hdim 128: 4 blocks of 56.6 KB per SM, 528 slots): as many as one wave holds, each
-  // with 4 key tiles of 32 or more, never more blocks than slots.
-  CHECK(plan_fwd(decode(1, 1, 32, 8, 8192), 128).num_splits == 64);   // 256 tiles / 4
-  CHECK(plan_fwd(decode(1, 1, 32, 8, 131072), 128).num_splits == 66);  // 528 / 8 items
-  CHECK(plan_fwd(decode(8, 1, 32, 8, 8192), 128).num_splits == 8);    // 512 blocks
-  CHECK(plan_fwd(decode(32, 1, 32, 8, 8192), 128).num_splits == 2);   // 512 blocks
-  CHECK(plan_fwd(decode(128, 1, 32, 8, 8192), 128).num_splits == 1);  // 1024 items
-  CHECK(plan_fwd(decode(1, 1, 32, 8, 100), 128).num_splits == 1);     // 4 tiles
-  CHECK(plan_fwd(decode(8, 8, 32, 8, 8192), 128).num_splits == 4);    // 2 groups: 512 blocks
+  // Splits (hdim 128: 4 blocks of 56.6 KB fit per SM, 528 slots): as many as one wave holds,
+  // or where that is more than 8, as many as 2 blocks per SM (264 slots) hold; each with 4 key
+  // tiles of 32 or more, never more blocks than slots.
+  CHECK(plan_fwd(decode(1, 1, 32, 8, 8192), 128).num_splits == 33);    // 264 / 8 items
+  CHECK(plan_fwd(decode(1, 1, 32, 8, 2048), 128).num_splits == 16);    // 64 tiles / 4
+  CHECK(plan_fwd(decode(1, 1, 32, 8, 131072), 128).num_splits == 33);
+  CHECK(plan_fwd(decode(2, 1, 32, 8, 8192), 128).num_splits == 16);    // 264 / 16
+  CHECK(plan_fwd(decode(4, 1, 32, 8, 8192), 128).num_splits == 8);     // 264 / 32 (wave: 16)
+  CHECK(plan_fwd(decode(8, 1, 32, 8, 8192), 128).num_splits == 8);     // 528 / 64: a wave
+  CHECK(plan_fwd(decode(16, 1, 32, 8, 8192), 128).num_splits == 4);    // 512 blocks
+  CHECK(plan_fwd(decode(32, 1, 32, 8, 8192), 128).num_splits == 2);    // 512 blocks
+  CHECK(plan_fwd(decode(128, 1, 32, 8, 8192), 128).num_splits == 1);   // 1024 items
+  CHECK(plan_fwd(decode(1, 1, 32, 8, 100), 128).num_splits == 1);      // 4 tiles
+  CHECK(plan_fwd(decode(8, 8, 32, 8, 8192), 128).num_splits == 4);     // 2 groups: 512 blocks
+  {  // One block per SM where shared memory holds one (sm86: 100 KB).
+    FwdParams p = decode(1, 1, 32, 8, 131072);
+    p.arch = 86;
+    CHECK(plan_fwd(p, 128).num_splits == 16);  // 132 / 8 items
+  }
   for (int batch : {1, 2, 3, 5, 8, 13, 32, 60, 66}) {
     const int splits = plan_fwd(decode(batch, 1, 32, 8, 65536), 128).num_splits;
     CHECK(splits >= 1 && (splits == 1 || int64_t(batch) * 8 * splits <= 528));
+    CHECK(splits <= 8 || int64_t(batch) * 8 * splits <= 264);
   }
   // The call's num_splits, clamped to 128 and to the cache's key tiles.
   {
