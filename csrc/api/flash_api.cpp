@@ -202,7 +202,18 @@ flash::Strides packed_strides_of(const at::Tensor& t) { return {0, t.stride(0), 
 // Device attributes, read once per device (cudaDeviceGetAttribute does not synchronize).
 struct DeviceInfo {
   int arch = 0, num_sms = 0, l2_bytes = 0;
+  int code_arch = 0;  // FwdParams::code_arch
 };
+
+// The arch of this build's code that runs on `arch`: its newest same-major machine code at or
+// below it, else its PTX's arch (0: none runs; no kernel would be found).
+int code_arch_on(int arch) {
+  int best = 0;
+  for (int a : target_archs()) {
+    if (a / 10 == arch / 10 && a <= arch) best = std::max(best, a);
+  }
+  return best != 0 ? best : kPtxArch != 0 && arch >= kPtxArch ? kPtxArch : 0;
+}
 
 DeviceInfo device_info(const at::Tensor& t) {
   static DeviceInfo cache[64];
@@ -220,6 +231,7 @@ DeviceInfo device_info(const at::Tensor& t) {
     info.num_sms = sms;
     info.l2_bytes = l2;
     info.arch = major * 10 + minor;
+    info.code_arch = code_arch_on(info.arch);
   }
   return info;
 }
@@ -322,6 +334,7 @@ void fill_options(flash::FwdParams& p, const at::Tensor& q, double softmax_scale
   const DeviceInfo info = device_info(q);
   p.num_sms = info.num_sms;
   p.arch = info.arch;
+  p.code_arch = info.code_arch;
   p.l2_bytes = info.l2_bytes;
 }
 

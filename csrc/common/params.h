@@ -114,6 +114,11 @@ struct FwdParams {
 
   int num_sms = 0;  // of the current device, for grid sizing
   int arch = 0;     // its compute capability, major * 10 + minor (tile choice)
+  // The arch of the code the kernels run on it: the device's where the build has its machine
+  // code, else an older target's (sm80 SASS on sm86) or the PTX's (a build of 80+PTX on an
+  // H100, the default build on sm100). What sm90's instructions (TMA, programmatic launch)
+  // need, where `arch` only sizes tiles and shared memory.
+  int code_arch = 0;
   int l2_bytes = 0; // its L2 size, for the order in which blocks take tiles
 };
 

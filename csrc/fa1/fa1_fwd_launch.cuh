@@ -52,7 +52,7 @@ template <typename T, int kHeadDim>
 void run_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream) {
   // Only d > 64 has a wide variant (FwdTile); sm75 cannot give a block more than 64 KB.
   if constexpr (kHeadDim > 64) {
-    if (params.arch >= 80) return launch_fwd<T, kHeadDim, true>(params, plan, stream);
+    if (params.code_arch >= 80) return launch_fwd<T, kHeadDim, true>(params, plan, stream);
   }
   launch_fwd<T, kHeadDim, false>(params, plan, stream);
 }

@@ -80,7 +80,7 @@ struct FwdPlan {
   // launch (common/pdl.h), scheduled while the kernel ahead (kvcache_prep, the decode kernel)
   // finishes. Only after kvcache_prep: the decode kernel reads the lengths before its wait,
   // safe when the kernel ahead is one that never writes them and began after all that did.
-  // sm90 only: elsewhere the wheel's compute_80 PTX has no waits.
+  // sm90 code only (FwdParams::code_arch): the compute_80 PTX has no waits.
   bool pdl = false;
 };
 
@@ -147,7 +147,7 @@ inline FwdPlan plan_fwd(const FwdParams& p, int kernel_hdim, const Tuning& tunin
   plan.head_group = tuning.head_group;
   plan.decode = tuning.fa2_decode != 0 && decode_fits(p);
   plan.num_splits = plan.decode ? decode_splits(p, kernel_hdim) : fwd_splits(p, kernel_hdim);
-  plan.pdl = plan.decode && p.after_prep && p.arch == 90 && tuning.fa2_pdl != 0;
+  plan.pdl = plan.decode && p.after_prep && p.code_arch == 90 && tuning.fa2_pdl != 0;
   if (plan.num_splits > 1) {
     const int64_t rows = int64_t(plan.num_splits) * p.batch * p.heads * p.seqlen_q;
     plan.workspace_bytes = (round_up(rows, 4) + rows * p.head_dim) * 4;  // lse, then O (16 B aligned)
@@ -160,11 +160,12 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
   const int64_t counters = p.deterministic ? rows / kBwdMinBlockM : 0;
   BwdPlan plan;
   plan.workspace_bytes = rows * kernel_hdim * 4 + counters * 4 + rows * 4;
-  plan.dq_bulk = p.arch >= 90 && !p.deterministic && tuning.fa2_dq_bulk != 0;
+  plan.dq_bulk = p.code_arch >= 90 && !p.deterministic && tuning.fa2_dq_bulk != 0;
   plan.dq_defer = !p.deterministic && tuning.fa2_dq_defer != 0;
-  // sm90 only: other GPUs run the wheel's compute_80 PTX, where common/pdl.h's waits compile
-  // away, and a programmatic launch without them would read what the kernel ahead still writes.
-  plan.pdl = p.arch == 90 && tuning.fa2_pdl != 0;
+  // sm90 code only: other GPUs run the wheel's compute_80 PTX (as does an H100 with a build
+  // of 80+PTX), where common/pdl.h's waits compile away, and a programmatic launch without
+  // them would read what the kernel ahead still writes.
+  plan.pdl = p.code_arch == 90 && tuning.fa2_pdl != 0;
   plan.head_group = tuning.head_group;
   return plan;
 }

@@ -136,7 +136,7 @@ void launch_decode(const FwdParams& call, const FwdPlan& plan, cudaStream_t stre
     // page and kBlockN; pages of fewer than 8 rows (or not a multiple of 8) copy row by row.
     const bool paged = p.block_table != nullptr;
     const int box_rows = paged ? std::gcd(p.page_size, Tr::kBlockN) : Tr::kBlockN;
-    tma = p.arch == 90 && p.cache_batch > 0 && box_rows % 8 == 0;
+    tma = p.code_arch == 90 && p.cache_batch > 0 && box_rows % 8 == 0;
     if (tma) {
       const int rows = paged ? p.page_size : p.seqlen_k;
       maps.k = decode_tensor_map(p.k, p.k_strides, p, rows, box_rows, sizeof(T));

@@ -296,6 +296,7 @@ int run(const Args& a) {
   p.causal = a.causal;
   p.num_sms = sms;
   p.arch = major * 10 + minor;
+  p.code_arch = p.arch;  // the harness is built for the GPU it runs on
   flash::Tuning tuning;
   tuning.fa1_q_tiles = a.q_tiles;
   const flash::fa1::FwdPlan plan = flash::fa1::plan_fwd(p, fwd->hdim, tuning);

@@ -17,7 +17,7 @@ static FwdParams decode(int batch, int seqlen_q, int heads, int heads_k, int cac
   FwdParams p;
   p.batch = batch, p.seqlen_q = seqlen_q, p.seqlen_k = cached;
   p.heads = heads, p.heads_k = heads_k, p.head_dim = 128;
-  p.kv_cache = true, p.num_sms = 132, p.arch = 90;
+  p.kv_cache = true, p.num_sms = 132, p.arch = p.code_arch = 90;
   return p;
 }
 
@@ -51,6 +51,10 @@ int main() {
     off = Tuning{};
     off.fa2_decode = 0;
     CHECK(!plan_fwd(p, 128, off).pdl);
+    // Never where the code that runs is not sm90's: an H100 running a build's compute_80 PTX,
+    // an sm100 (the default build's PTX), an A100.
+    p.code_arch = 80;
+    CHECK(!plan_fwd(p, 128).pdl);
     p.arch = 100;
     CHECK(!plan_fwd(p, 128).pdl);
     p.arch = 80;
@@ -103,16 +107,18 @@ int main() {
     CHECK(plan_fwd(decode(128, 1, 32, 8, 8192), 128).workspace_bytes == 0);
   }
 
-  // The backward's programmatic launch: sm90 only (elsewhere the kernels' waits are compiled
-  // out of the PTX they run), off with fa2_pdl = 0.
+  // The backward's programmatic launch and bulk dQ: sm90 code only (elsewhere the kernels'
+  // waits and bulk reductions are compiled out of the PTX they run), PDL off with fa2_pdl = 0.
   {
     BwdParams p;
     p.batch = 2, p.heads = 8, p.heads_k = 8, p.seqlen_q = p.seqlen_k = 1024, p.head_dim = 128;
-    p.arch = 90;
-    CHECK(plan_bwd(p, 128).pdl);
+    p.arch = p.code_arch = 90;
+    CHECK(plan_bwd(p, 128).pdl && plan_bwd(p, 128).dq_bulk);
     Tuning off;
     off.fa2_pdl = 0;
     CHECK(!plan_bwd(p, 128, off).pdl);
+    p.code_arch = 80;  // an H100 running compute_80 PTX: no sm90 instructions in the kernels
+    CHECK(!plan_bwd(p, 128).pdl && !plan_bwd(p, 128).dq_bulk);
     p.arch = 100;
     CHECK(!plan_bwd(p, 128).pdl);
     p.arch = 80;
