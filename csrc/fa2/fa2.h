@@ -53,8 +53,12 @@ constexpr int kDecodeRows = 16;
 // warp each: the groups of a (sequence, KV head) are neighbouring blocks, so that all but the
 // first mostly read K / V from L2. More rows fill the forward's tiles well enough.
 constexpr int kDecodeMaxRows = 64;
+// The query rows of one KV head: seqlen_q tokens x the query heads that share it.
+inline int64_t decode_rows(const FwdParams& p) {
+  return int64_t(p.seqlen_q) * (p.heads / p.heads_k);
+}
 inline int decode_row_groups(const FwdParams& p) {
-  return int((int64_t(p.seqlen_q) * (p.heads / p.heads_k) + kDecodeRows - 1) / kDecodeRows);
+  return int((decode_rows(p) + kDecodeRows - 1) / kDecodeRows);
 }
 constexpr int kDecodeStages = 3;
 constexpr int decode_block_n(int kernel_hdim) {
@@ -68,7 +72,7 @@ constexpr int decode_smem_bytes(int kernel_hdim) {  // tiles, then one mbarrier 
 // seqlen_q * heads / heads_k <= 64 (one-token decode, speculative decoding with a few tokens).
 inline bool decode_fits(const FwdParams& p) {
   return p.kv_cache && p.cu_seqlens_q == nullptr && p.dropout_p == 0.f &&
-         int64_t(p.seqlen_q) * (p.heads / p.heads_k) <= kDecodeMaxRows;
+         decode_rows(p) <= kDecodeMaxRows;
 }
 
 struct FwdPlan {

@@ -124,12 +124,21 @@ void launch_decode_kernel(const FwdParams& p, const DecodeTmaMaps& maps, cudaStr
   launch(kernel, grid, dim3(32), Tr::kSmemBytes, stream, pdl, p, maps);
 }
 
+// kHalves from the rows: one 8-row half where a KV head has at most 8 query rows.
+template <typename T, int kHeadDim, bool kTma>
+void launch_decode_halves(const FwdParams& p, const DecodeTmaMaps& maps, cudaStream_t stream,
+                          bool pdl) {
+  if (decode_rows(p) <= kDecodeRows / 2) {
+    launch_decode_kernel<T, kHeadDim, 1, kTma>(p, maps, stream, pdl);
+  } else {
+    launch_decode_kernel<T, kHeadDim, 2, kTma>(p, maps, stream, pdl);
+  }
+}
+
 template <typename T, int kHeadDim>
 void launch_decode(const FwdParams& call, const FwdPlan& plan, cudaStream_t stream) {
   const FwdParams p = with_splits(call, plan);
   using Tr = DecodeTraits<T, kHeadDim>;
-  const bool one_half = int64_t(p.seqlen_q) * (p.heads / p.heads_k) <= kDecodeRows / 2;
-  DecodeTmaMaps maps{};
   bool tma = false;
   if constexpr (kHeadDim % 64 == 0) {
     // A paged cache's boxes stay within a page: the largest power of two dividing both the
@@ -139,23 +148,13 @@ void launch_decode(const FwdParams& call, const FwdPlan& plan, cudaStream_t stre
     tma = p.code_arch == 90 && p.cache_batch > 0 && box_rows % 8 == 0;
     if (tma) {
       const int rows = paged ? p.page_size : p.seqlen_k;
-      maps.k = decode_tensor_map(p.k, p.k_strides, p, rows, box_rows, sizeof(T));
-      maps.v = decode_tensor_map(p.v, p.v_strides, p, rows, box_rows, sizeof(T));
-      maps.box_rows = box_rows;
-      if (one_half) {
-        launch_decode_kernel<T, kHeadDim, 1, true>(p, maps, stream, plan.pdl);
-      } else {
-        launch_decode_kernel<T, kHeadDim, 2, true>(p, maps, stream, plan.pdl);
-      }
+      const DecodeTmaMaps maps{decode_tensor_map(p.k, p.k_strides, p, rows, box_rows, sizeof(T)),
+                               decode_tensor_map(p.v, p.v_strides, p, rows, box_rows, sizeof(T)),
+                               box_rows};
+      launch_decode_halves<T, kHeadDim, true>(p, maps, stream, plan.pdl);
     }
   }
-  if (!tma) {
-    if (one_half) {
-      launch_decode_kernel<T, kHeadDim, 1, false>(p, maps, stream, plan.pdl);
-    } else {
-      launch_decode_kernel<T, kHeadDim, 2, false>(p, maps, stream, plan.pdl);
-    }
-  }
+  if (!tma) launch_decode_halves<T, kHeadDim, false>(p, DecodeTmaMaps{}, stream, plan.pdl);
   FLASH_CHECK_LAUNCH();
   // CuTe's element type, as launch_fwd's: one combine instantiation per dtype.
   if (p.num_splits > 1) launch_combine<typename CuteType<T>::type>(p, stream, plan.pdl);
