@@ -45,12 +45,11 @@ HEADS, HEADS_K = 32, 8  # the issue's shape (--heads / --heads-k)
 
 
 def cuda_ms(fns, reps: int, inner: int = 10) -> float:
-    """Median GPU milliseconds of one call: the calls in fns (one per layer, or one callable)
-    in turn, max(inner, len(fns)) of them captured in a CUDA graph (as a serving loop runs its
-    decode step, and so that the host's cost per call, measured apart, does not leave the GPU
-    idle between small calls), timed with CUDA events over reps replays. Calls that cannot be
+    """Median GPU milliseconds of one call: the calls in fns (one per layer) in turn,
+    max(inner, len(fns)) of them captured in a CUDA graph (as a serving loop runs its decode
+    step, and so that the host's cost per call, measured apart, does not leave the GPU idle
+    between small calls), timed with CUDA events over reps replays. Calls that cannot be
     captured run in a plain loop instead."""
-    fns = fns if isinstance(fns, (list, tuple)) else [fns]
     calls = [fns[i % len(fns)] for i in range(max(inner, len(fns)))]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
