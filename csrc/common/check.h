@@ -1,5 +1,7 @@
 // Error reporting for library code: a failed CUDA call throws (the API layer turns it into a
-// Python RuntimeError); it never exits the process.
+// Python RuntimeError); it never exits the process. The throw first clears the thread's last
+// error, so that a failed launch (a non-sticky error) is not reported again by the next call's
+// FLASH_CHECK_LAUNCH.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +13,7 @@
   do {                                                                                      \
     cudaError_t flash_err_ = (expr);                                                        \
     if (flash_err_ != cudaSuccess) {                                                        \
+      (void)cudaGetLastError();                                                             \
       throw std::runtime_error(std::string("flash_attn: CUDA error at ") + __FILE__ + ":" + \
                                std::to_string(__LINE__) + ": " +                            \
                                cudaGetErrorString(flash_err_));                             \
