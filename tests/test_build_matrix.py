@@ -300,7 +300,7 @@ def test_fa3_entry():
     assert (f.min_arch, f.max_arch, dict(f.dtype_min_arch)) == (90, 90, {"fp16": 90, "bf16": 90})
     assert f.hdims == (64, 96, 128, 192, 256)
     assert f.directions == ("fwd",)
-    assert f.features == set(_validate.FEATURES) - {"dropout", "paged_kv", "kvcache"}
+    assert f.features == set(_validate.FEATURES) - {"dropout", "paged_kv"}
     assert f.bwd_family == "fa2"
     assert M.arch_code(f.max_arch) == "90a"    # its kernels need the arch-specific machine code
     assert M.PREFERENCE[0] == "fa3"
@@ -376,3 +376,10 @@ def test_write_sources_leaves_unchanged_files_alone(tmp_path):
     assert (tmp_path / "dispatch_table.inc").stat().st_mtime_ns != 1
     assert (tmp_path / "ptx_arch.inc").stat().st_mtime_ns != 1
     assert (tmp_path / "built_archs.inc").stat().st_mtime_ns == 1
+
+
+def test_decode_max_rows_is_fa2s():
+    # The dispatcher's decode threshold (fa2 first) is the fa2 decode kernel's row limit.
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "fa2" / "fa2.h").read_text()
+    m = re.search(r"constexpr int kDecodeMaxRows = (\d+);", header)
+    assert m and int(m.group(1)) == M.DECODE_MAX_ROWS

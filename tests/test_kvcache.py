@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flash_attn
-from flash_attn import _dispatch, build_matrix, reference
+from flash_attn import _dispatch, _validate, build_matrix, reference
 from conftest import give_features
 
 B, H, HK, D = 3, 8, 2, 64
@@ -55,6 +55,16 @@ def test_without_kvcache_kernels_the_call_says_so(fake_ext, monkeypatch):
                                                   r"attention over a KV cache"):
         flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
     assert fake_ext.calls == []
+
+
+# ---- which calls are "decode" calls (dispatch: fa2 first) --------------------------------------
+
+@pytest.mark.parametrize("seqlen_q,decode", [(1, True), (16, True), (17, False)])
+def test_decode_feature(kvcache_ext, seqlen_q, decode):
+    # H / HK = 4 query heads per KV head: up to 64 rows (build_matrix.DECODE_MAX_ROWS) decode.
+    q, k_cache, v_cache, _, _ = inputs(seqlen_q=seqlen_q)
+    call = _validate.validate_kvcache_call(q, k_cache, v_cache, cache_seqlens=5)
+    assert ("decode" in call.features) == decode and "kvcache" in call.features
 
 
 # ---- the reference's semantics ----------------------------------------------------------------

@@ -127,6 +127,10 @@ struct SeqInfo {
   static __host__ __device__ int view_batch(const FwdParams& p) {
     return p.cu_seqlens_q != nullptr ? 1 : p.batch;
   }
+  // The same for k / v: a KV cache has cache_batch rows (cache_batch_idx picks a sequence's).
+  static __host__ __device__ int view_batch_k(const FwdParams& p) {
+    return p.cu_seqlens_q != nullptr ? 1 : p.kv_cache ? p.cache_batch : p.batch;
+  }
   // The sequence's (rows, head_dim) slice of `head` in such a view of q / out (k / v): its
   // batch, or the rows from its start. Rows past the sequence in the slice are the next
   // sequence's in a variable-length batch: what reads or writes them must clip to the

@@ -15,7 +15,6 @@
 namespace flash::fa3 {
 
 inline const char* fwd_unsupported(const FwdParams& p) {
-  if (p.kv_cache) return "fa3 has no KV-cache kernels yet; fa2 runs them";
   if (p.block_table != nullptr) return "fa3 has no paged K/V kernels yet; fa2 runs them";
   return p.dropout_p > 0.f ? "fa3 does not support dropout; fa2 runs it" : nullptr;
 }

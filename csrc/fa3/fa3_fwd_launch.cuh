@@ -49,8 +49,7 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   // of extent 1, which the frontend leaves as it comes (a slice of a longer tensor can have
   // any). Such a stride is never stepped along: give it the extent of the dims inside it.
   // A variable-length batch is one sequence of all its rows (SeqInfo's views).
-  const int batches = SeqInfo::view_batch(p);
-  auto tensor = [&](auto* ptr, const Strides& s, int seqlen, int heads) {
+  auto tensor = [&](auto* ptr, const Strides& s, int seqlen, int heads, int batches) {
     const int64_t row = seqlen > 1 ? s.row : p.head_dim;
     const int64_t head = heads > 1 ? s.head : row * seqlen;
     const int64_t batch = batches > 1 ? s.batch : head * heads;
@@ -62,11 +61,12 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   const int rows_q = SeqInfo::view_rows_q(p), rows_k = SeqInfo::view_rows_k(p);
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{},
                              tensor(static_cast<const Element*>(p.q), p.q_strides, rows_q,
-                                    p.heads),
+                                    p.heads, SeqInfo::view_batch(p)),
                              take<0, 2>(typename Tr::SmemQ{}));
   // K / V: multicast to the cluster's CTAs, each loading 1 / kClusterM of a tile.
   auto kv_tma = [&](const void* ptr, const Strides& s) {
-    auto g = tensor(static_cast<const Element*>(ptr), s, rows_k, p.heads_k);
+    auto g = tensor(static_cast<const Element*>(ptr), s, rows_k, p.heads_k,
+                    SeqInfo::view_batch_k(p));
     if constexpr (Tr::kClusterM > 1) {
       return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, g, take<0, 2>(typename Tr::SmemKV{}),
                            Int<Tr::kClusterM>{});
@@ -80,7 +80,8 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   auto tma_o = [&] {
     if constexpr (Tr::kStageO) {
       return make_tma_copy(SM90_TMA_STORE{},
-                           tensor(static_cast<Element*>(p.o), p.o_strides, rows_q, p.heads),
+                           tensor(static_cast<Element*>(p.o), p.o_strides, rows_q, p.heads,
+                                  SeqInfo::view_batch(p)),
                            typename Tr::SmemOBox{});
     } else {
       return NoTma{};

@@ -42,13 +42,13 @@ struct Item {
 };
 
 // lengths: the sequence's (seqlen_q, seqlen_k) as the producer published them (variable-length
-// batches: a consumer would otherwise read cu_seqlens / seqused again, latency at every item's
-// start), or nullptr: read them (SeqInfo).
+// batches and KV caches: a consumer would otherwise read cu_seqlens / seqused / cache_seqlens
+// again, latency at every item's start), or nullptr: read them (SeqInfo).
 template <class Tr, class Scheduler>
 __device__ __forceinline__ Item item_at(const FwdParams& p, const Scheduler& sched, int i,
                                         int rank, const int2* lengths = nullptr) {
   const flash::WorkItem w = sched.decode(i);
-  const flash::Mask mask = lengths != nullptr && p.cu_seqlens_q != nullptr
+  const flash::Mask mask = lengths != nullptr && (p.cu_seqlens_q != nullptr || p.kv_cache)
                                ? flash::Mask(p, lengths->x, lengths->y)
                                : flash::Mask(p, flash::SeqInfo(p, w.batch));
   Item it;
@@ -153,10 +153,11 @@ struct FwdMainloop {
     const int batches = SeqInfo::view_batch(p);
     Tensor mQ = tma.q.get_tma_tensor(
         make_shape(SeqInfo::view_rows_q(p), p.head_dim, p.heads, batches));
+    const int batches_k = SeqInfo::view_batch_k(p);
     Tensor mK = tma.k.get_tma_tensor(
-        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches));
+        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches_k));
     Tensor mV = tma.v.get_tma_tensor(
-        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches));
+        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches_k));
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
     auto state = cutlass::make_producer_start_state<Pipeline>();
     auto kv_tma = [](auto const& tma_kv, uint64_t& full) {
@@ -187,8 +188,9 @@ struct FwdMainloop {
       pin(it.m_block), pin(it.head), pin(it.batch), pin(it.head_k);
       pin(it.tiles.begin), pin(it.tiles.end);
       const flash::SeqInfo seq(p, it.batch);
-      // Variable-length: the tiles reach past the sequence into the next one's rows; the
-      // consumers zero Q and V there (zero_tails) and mask K.
+      // Variable-length: the tiles reach past the sequence into the next one's rows (a KV
+      // cache's: into its unused rows); the consumers zero Q and V there (zero_tails) and mask
+      // K.
       Tensor gQ = local_tile(seq.q_rows(p, mQ, it.head), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(it.m_block, 0));
       Tensor gK = local_tile(seq.k_rows(p, mK, it.head_k),
@@ -307,8 +309,9 @@ struct FwdMainloop {
     return tiles;
   }
 
-  // Variable-length: the tiles read rows past the sequence (the next sequence's, or what lies
-  // past seqused), where a dense call's TMA fills zeros. Before its walk, a consumer zeroes
+  // Variable-length and KV caches: the tiles read rows past the sequence (the next sequence's,
+  // what lies past seqused, a cache's rows past its length), where a dense call's TMA fills
+  // zeros. Before its walk, a consumer zeroes
   // them in shared memory: its own Q rows past the used rows, and the V rows of the walk's
   // first tile (the sequence's last) past its keys, which P = 0 does not cancel where they are
   // inf or NaN. The rows past the used ones then vote as in a dense call (the lazy softmax's
@@ -318,7 +321,7 @@ struct FwdMainloop {
   __device__ __forceinline__ void zero_tails(const FwdParams& p, const flash::Mask& mask,
                                              int n, PipelineState& st, int wg_row0, int qb,
                                              int cw) {
-    if (p.cu_seqlens_q == nullptr) return;
+    if (p.cu_seqlens_q == nullptr && !p.kv_cache) return;
     const int q_valid = max(mask.seqlen_q - wg_row0, 0), v_valid = mask.seqlen_k - n * kBlockN;
     if (q_valid >= 64 && v_valid >= kBlockN) return;
     constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a row: contiguous under the swizzle

@@ -207,14 +207,15 @@ inline FwdPlan plan_fwd(const FwdParams& p, int kernel_hdim, const Tuning& tunin
   FwdPlan plan;
   plan.score_mod = p.softcap > 0.f || p.alibi_slopes != nullptr;
   plan.tile = t.wide;
-  // Variable-length batches (sizes: the longest sequence's) take neither stream-K, whose pieces
-  // assume every item has the same key tiles, nor clusters, whose CTAs share K / V tiles and so
-  // would have to share a sequence's key range.
-  const bool varlen = p.cu_seqlens_q != nullptr;
+  // Variable-length batches (sizes: the longest sequence's) and KV caches (seqlen_k: the
+  // capacity; each sequence its cache_seqlens) take neither stream-K, whose pieces assume
+  // every item has the same key tiles, nor clusters, whose CTAs share K / V tiles and so would
+  // have to share a sequence's key range.
+  const bool ragged = p.cu_seqlens_q != nullptr || p.kv_cache;
   const int64_t workers =
-      plan.score_mod || varlen ? 0 : stream_k_workers(p, t.stream_k, tuning.fa3_stream_k);
+      plan.score_mod || ragged ? 0 : stream_k_workers(p, t.stream_k, tuning.fa3_stream_k);
   const int64_t wide_items = ceil_div(p.seqlen_q, t.wide.block_m()) * p.heads * p.batch;
-  const bool cluster = t.cluster_m > 1 && !plan.score_mod && !varlen && full_attention(p) &&
+  const bool cluster = t.cluster_m > 1 && !plan.score_mod && !ragged && full_attention(p) &&
                        (tuning.fa3_cluster >= 0 ? tuning.fa3_cluster > 0
                                                 : cluster_pays(p, wide_items));
   if (workers > 0) {

@@ -7,7 +7,9 @@ code or PTX for an arch it supports that runs on the device (``build_matrix.kern
 fa2 built for sm75 only is empty, fa3 runs from sm_90a machine code only; the build carries PTX
 only of its ``+PTX`` target, ``ptx_arch()``) and has every feature the call uses. That gives
 sm90 -> fa3, sm80..89 and sm100+ (from the PTX of a default build) -> fa2, sm75 -> fa1 when
-those are built. When the arch's first choice is skipped, a ``BackendFallbackWarning`` says
+those are built. A decode call (a KV cache with few query rows per KV head, feature "decode")
+walks ``build_matrix.preference``'s order instead, fa2 first: its decode kernel reads the cache
+at a copy's rate. When the arch's first choice is skipped, a ``BackendFallbackWarning`` says
 which family runs instead and why, once per distinct (arch, dtype, head dim, features,
 request): on sm90 a call with dropout runs fa2 ("fa3 does not support dropout_p > 0").
 
@@ -52,6 +54,7 @@ _FEATURE_TEXT = {
     "varlen": "variable-length batches (cu_seqlens)",
     "paged_kv": "a paged K/V cache (block_table)",
     "kvcache": "attention over a KV cache (flash_attn_with_kvcache)",
+    "decode": "a KV-cache call with few query rows per KV head (decoding)",
 }
 
 
@@ -245,9 +248,10 @@ def _summary(built: frozenset, family: str) -> str:
     return ", ".join(f"{d} {t} hdim{h}" for d, t, h in mine) or "none"
 
 
-def preferred_family(arch: int) -> Optional[str]:
-    """The family an arch should run when everything is built: 90 -> fa3, 100 -> fa2."""
-    for name in build_matrix.PREFERENCE:
+def preferred_family(arch: int, features: Iterable[str] = ()) -> Optional[str]:
+    """The family an arch should run when everything is built: 90 -> fa3, 100 -> fa2; a
+    decode call (build_matrix.preference) fa2 from sm80 on."""
+    for name in build_matrix.preference(features):
         family = build_matrix.FAMILIES.get(name)
         if family is not None and _arch_in(family, arch):
             return name
@@ -269,9 +273,10 @@ def choose(arch: int, dtype: str, hdim: int, features: Iterable[str],
     features = frozenset(features)
     directions = ("fwd", "bwd") if need_bwd else ("fwd",)
     archs = tuple(archs)
+    order = build_matrix.preference(features)
     reasons = {f: why_not(f, arch, dtype, hdim, features, directions, built, archs, ptx)
-               for f in build_matrix.PREFERENCE}
-    runnable = [f for f in build_matrix.PREFERENCE if reasons[f] is None]
+               for f in order}
+    runnable = [f for f in order if reasons[f] is None]
     what = (f"sm{arch}, {dtype}, head dim {hdim}, {'fwd+bwd' if need_bwd else 'fwd'}, "
             f"features: {', '.join(sorted(features)) or 'none'}")
     if requested is not None:
@@ -286,10 +291,10 @@ def choose(arch: int, dtype: str, hdim: int, features: Iterable[str],
         raise NotImplementedError(f"backend={requested!r} cannot run this call ({what}): "
                                   f"{reason}. {runs_it}")
     if not runnable:
-        details = "; ".join(f"{f}: {reasons[f]}" for f in build_matrix.PREFERENCE)
+        details = "; ".join(f"{f}: {reasons[f]}" for f in order)
         raise NotImplementedError(f"no backend in this build can run this call ({what}). "
                                   f"{details}. {_none_runs_it(features)}")
-    chosen, preferred = runnable[0], preferred_family(arch)
+    chosen, preferred = runnable[0], preferred_family(arch, features)
     if preferred is not None and chosen != preferred:
         warnings.warn(f"flash_attn: running {chosen} instead of {preferred}, the preferred "
                       f"family on sm{arch}, because {reasons[preferred]} ({what})",

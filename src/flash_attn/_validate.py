@@ -34,7 +34,7 @@ MIN_ARCH = min(f.min_arch for f in build_matrix.FAMILIES.values())
 KERNEL_DEVICE_TYPE = "cuda"
 
 FEATURES = ("causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen", "paged_kv",
-            "kvcache")
+            "kvcache", "decode")
 
 
 class Shapes(NamedTuple):
@@ -544,7 +544,9 @@ def _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
     call = call_options(shapes, dtype, q.device, dropout_p=0.0, softmax_scale=softmax_scale,
                         causal=causal, window_size=window_size, softcap=softcap,
                         alibi_slopes=alibi_slopes,
-                        extra={"kvcache", "paged_kv"} if paged else {"kvcache"})
+                        extra=({"kvcache", "paged_kv"} if paged else {"kvcache"}) | (
+                            {"decode"} if shapes.seqlen_q * (shapes.nheads // shapes.nheads_k)
+                            <= build_matrix.DECODE_MAX_ROWS else set()))
     if rotary_cos is not None and not isinstance(cache_seqlens, torch.Tensor):
         # q is rotated at cache_seqlens (+ its row when causal or local). With a tensor of
         # lengths this cannot be checked without reading it; the kernels clamp.

@@ -81,18 +81,20 @@ FAMILIES: dict[str, Family] = {
         hdims=(32, 64, 96, 128, 192, 256),
         directions=("fwd", "bwd"),
         features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen",
-                            "paged_kv", "kvcache"}),
+                            "paged_kv", "kvcache", "decode"}),
     ),
     # FlashAttention-3's forward for Hopper: TMA loads by a producer warpgroup, WGMMA in two or
     # three consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its
-    # gradient is fa2's backward. Dropout is not implemented: such calls run fa2 (visibly).
+    # gradient is fa2's backward. Dropout and paged K/V are not implemented: such calls run fa2
+    # (visibly). KV caches: contiguous ones.
     "fa3": Family(
         name="fa3",
         min_arch=90,
         dtype_min_arch={"fp16": 90, "bf16": 90},
         hdims=(64, 96, 128, 192, 256),
         directions=("fwd",),
-        features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "varlen"}),
+        features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "varlen", "kvcache",
+                            "decode"}),
         max_arch=90,
         bwd_family="fa2",
     ),
@@ -101,6 +103,20 @@ FAMILIES: dict[str, Family] = {
 # Automatic choice, best first, for a device of compute capability (major*10+minor). A family
 # that is not built or cannot run the call is skipped; the frontend says which one it took.
 PREFERENCE = ("fa3", "fa2", "fa1")
+
+# A KV-cache call with at most this many query rows per KV head (seqlen_q * nheads / nheads_k:
+# decoding, speculative decoding with a few tokens) is a "decode" call: its time is the reading
+# of K / V, and fa2's decode kernel reads them at a copy's rate, where fa3's forward (128-row
+# tiles of one query head) would read each KV head's K / V once per query head. Such calls
+# prefer fa2. The limit is fa2's kDecodeMaxRows (csrc/fa2/fa2.h; a test keeps them equal).
+DECODE_MAX_ROWS = 64
+
+
+def preference(features: Iterable[str] = ()) -> tuple[str, ...]:
+    """PREFERENCE for a call with these features: decode calls try fa2 first."""
+    if "decode" in features:
+        return ("fa2",) + tuple(f for f in PREFERENCE if f != "fa2")
+    return PREFERENCE
 
 
 @dataclasses.dataclass(frozen=True, order=True)

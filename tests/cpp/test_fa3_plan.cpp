@@ -106,6 +106,20 @@ int main() {
     t.fa3_cluster = 0;
     CHECK(plan_fwd(call(4, 4096, 4096, 8, 8), 256, t).kernel == FwdKernel::kWide);
   }
+  // A KV cache (seqlen_k: the capacity; each sequence its own length) is planned as a
+  // variable-length batch: neither stream-K nor clusters, even where forced.
+  {
+    FwdParams p = call(4, 4096, 4096, 8, 8);
+    p.kv_cache = true;
+    CHECK(plan_fwd(p, 256).kernel == FwdKernel::kWide);
+    FwdParams few = call(1, 1, 777, 12, 4);
+    few.kv_cache = true;
+    Tuning on;
+    on.fa3_stream_k = 1;
+    on.fa3_cluster = 1;
+    CHECK(plan_fwd(few, 256, on).kernel == FwdKernel::kWide);
+    CHECK(plan_fwd(p, 256, on).kernel == FwdKernel::kWide);
+  }
   // A grid of one CTA per item (the harness's A/B) and fewer items than SMs.
   {
     Tuning t;
