@@ -305,3 +305,13 @@ def test_cache_batch_must_match_without_batch_idx(kvcache_ext):
     with pytest.raises(ValueError, match=r"k_cache has batch size 5 but q has 3; they must "
                                          r"match unless cache_batch_idx picks the cache rows"):
         flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1)
+
+
+def test_empty_cache(kvcache_ext):
+    # Capacity 0: a valid call whose rows all see no key (the extension returns before any
+    # kernel; here the stand-in computes the reference's answer).
+    q = gen(B, 20, H, D, seed=1)
+    k_cache, v_cache = gen(B, 0, HK, D, seed=2), gen(B, 0, HK, D, seed=3)
+    out, lse = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=0,
+                                                  return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()

@@ -176,6 +176,56 @@ def test_paged_matches_contiguous(family, page):
         assert torch.equal(k_pool[slot], k_cache[b, n]) and torch.equal(v_pool[slot], v_cache[b, n])
 
 
+# Longer queries over a cache (chunked prefill: fa3's case on sm90, the forward's kKvCache
+# kernel on fa2), with NaN in every cache row past the keys (what a cache holds there is never
+# read; fa3 zeroes the V rows of the last tile in shared memory), sequences with no key at
+# all, fewer keys than queries, cache_batch_idx with leftpad.
+@pytest.mark.parametrize("case", [
+    dict(d=128, causal=True),
+    dict(d=64, window_size=(200, 0), softcap=25.0),
+    dict(d=128, causal=True, seqlen_new=0),
+    dict(d=256, causal=True, alibi=True),
+    dict(d=64, causal=True, batch_idx=True),
+], ids=lambda c: "-".join(f"{k}{v}".replace(" ", "") for k, v in c.items()))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_over_cache(family, case):
+    dtype, batch, capacity, seqlen_q, h, hk = torch.bfloat16, 4, 1500, 300, 8, 2
+    case = dict(case)
+    d, seqlen_new = case.pop("d"), case.pop("seqlen_new", seqlen_q)
+    skip_unless_kvcache(family, dtype, d)
+    if case.pop("alibi", False):
+        case["alibi_slopes"] = torch.rand(batch, h, device=DEVICE) * 0.3
+    rows = batch + 2 if case.pop("batch_idx", False) else batch
+    if rows > batch:
+        case["cache_batch_idx"] = torch.tensor([5, 0, 3, 1], dtype=torch.int32, device=DEVICE)
+        case["cache_leftpad"] = torch.tensor([0, 0, 100, 7], dtype=torch.int32, device=DEVICE)
+    q = randn(batch, seqlen_q, h, d, dtype=dtype)
+    k_cache, v_cache = (randn(rows, capacity, hk, d, dtype=dtype) for _ in range(2))
+    # seqlen_new 0: sequence 0 has no key; 1 and 129 keys: fewer than the 300 queries.
+    lengths = [0, 1, 129, capacity - seqlen_new]
+    row_of = case["cache_batch_idx"].tolist() if rows > batch else list(range(batch))
+    for b, n in enumerate(lengths):  # past the keys: garbage that must never be read
+        k_cache[row_of[b], n + seqlen_new:] = math.nan
+        v_cache[row_of[b], n + seqlen_new:] = math.nan
+    kw = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE), **case)
+    if seqlen_new:
+        kw["k"], kw["v"] = (randn(batch, seqlen_new, hk, d, dtype=dtype) for _ in range(2))
+    check_call(family, q, k_cache, v_cache, dtype, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_empty_cache(family):
+    # A cache of capacity 0 holds no key: every row is empty (out 0, lse +inf), and no kernel
+    # meets a zero-length tensor map.
+    dtype, d = torch.bfloat16, 128
+    skip_unless_kvcache(family, dtype, d)
+    q = randn(2, 100, 8, d, dtype=dtype)
+    k_cache, v_cache = (randn(2, 0, 1, d, dtype=dtype) for _ in range(2))
+    out, lse = flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=0,
+                                                  backend=family, return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isposinf(lse).all()
+
+
 # fa2 runs a short query (seqlen_q * heads / heads_k <= 64) through its decode kernel (one warp
 # per KV head and 16 query rows, the query heads packed into the MMA's rows;
 # fa2_decode_kernel.cuh) and longer ones through the forward's kernel; _tuning fa2_decode=0 sends the short ones there too. Both

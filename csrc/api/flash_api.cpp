@@ -783,6 +783,11 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
   at::Tensor lse = at::empty({batch, heads, seqlen_q}, q.options().dtype(at::kFloat));
   if (batch == 0 || seqlen_q == 0) return {out, lse};
   const c10::cuda::CUDAGuard guard(q.device());
+  if (capacity == 0) {  // no key anywhere (and nothing to append): every row is empty
+    out.zero_();
+    lse.fill_(std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const Kernel& kernel = find_kernel(family, "fwd", dtype_name(q), int(dim), device_info(q).arch);
   flash::FwdParams p;
