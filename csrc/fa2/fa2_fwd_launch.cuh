@@ -7,8 +7,7 @@
 #include <stdexcept>
 #include <string>
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
+#include <cutlass/cuda_host_adapter.hpp>
 
 #include "common/check.h"
 #include "common/pdl.h"
@@ -70,9 +69,7 @@ __global__ void __launch_bounds__(128) combine_splits_kernel(const __grid_consta
       // ptxas does not fold each load into its FMA's predicate and issue them one by one.
       float x[kBatch];
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        x[j] = o[int64_t(min(s0 + j, splits - 1)) * rows * p.head_dim];
-      }
+      for (int j = 0; j < kBatch; ++j) x[j] = o[int64_t(min(s0 + j, splits - 1)) * rows * p.head_dim];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) acc += weight[min(s0 + j, kMaxSplits - 1)] * x[j];
     }
@@ -102,28 +99,6 @@ void launch_combine(const FwdParams& p, cudaStream_t stream, bool pdl = false) {
   FLASH_CHECK_LAUNCH();
 }
 
-// cuTensorMapEncodeTiled, its driver entry point looked up once (nullptr: not found): CUTLASS's
-// wrapper looks it up at every call, and a decode step encodes two maps per layer per token.
-inline PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* pfn = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-#if __CUDACC_VER_MAJOR__ > 12
-    const cudaError_t err = cudaGetDriverEntryPointByVersion(
-        "cuTensorMapEncodeTiled", &pfn, 12000, cudaEnableDefault, &status);
-#else
-    const cudaError_t err =
-        cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &pfn, cudaEnableDefault, &status);
-#endif
-    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return PFN_cuTensorMapEncodeTiled_v12000(nullptr);
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(pfn);
-  }();
-  return fn;
-}
-
 // The tensor map of a KV cache (k or v, strides s) for the decode kernel's TMA boxes:
 // (head_dim, rows, heads_k, p.cache_batch) with rows the cache's capacity, or a paged pool's
 // page size (its first extent counts pages); boxes of 64 columns x box_rows rows in the
@@ -142,8 +117,7 @@ inline CUtensorMap decode_tensor_map(const void* ptr, const Strides& s, const Fw
   cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
   cuuint32_t steps[4] = {1, 1, 1, 1};
   CUtensorMap map;
-  const auto encode = encode_tiled();
-  const CUresult result = encode == nullptr ? CUDA_ERROR_NOT_FOUND : encode(
+  const CUresult result = cutlass::call_cuTensorMapEncodeTiled(
       &map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(ptr), dims, strides, box, steps,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
