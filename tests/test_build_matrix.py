@@ -300,7 +300,7 @@ def test_fa3_entry():
     assert (f.min_arch, f.max_arch, dict(f.dtype_min_arch)) == (90, 90, {"fp16": 90, "bf16": 90})
     assert f.hdims == (64, 96, 128, 192, 256)
     assert f.directions == ("fwd",)
-    assert f.features == set(_validate.FEATURES) - {"dropout", "paged_kv"}
+    assert f.features == set(_validate.FEATURES) - {"dropout", "paged_kv_unaligned"}
     assert f.bwd_family == "fa2"
     assert M.arch_code(f.max_arch) == "90a"    # its kernels need the arch-specific machine code
     assert M.PREFERENCE[0] == "fa3"

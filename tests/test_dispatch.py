@@ -59,8 +59,9 @@ def test_dropout_on_sm90_runs_fa2(need_bwd):
         choose(90, features={"dropout"}, requested="fa3")
 
 
-# KV caches on sm90: fa3 runs a contiguous cache's prefill; a decode call (few query rows per
-# KV head) prefers fa2's decode kernel, and says nothing; a paged cache runs fa2, visibly.
+# KV caches on sm90: fa3 runs a cache's prefill, contiguous or paged; a decode call (few query
+# rows per KV head) prefers fa2's decode kernel, and says nothing; pages that are not a multiple
+# of 8 rows run fa2, visibly.
 def test_kvcache_on_sm90(no_fallback_warning):
     assert choose(90, "bf16", 128, {"kvcache", "causal", "gqa"}) == "fa3"
     assert choose(90, "bf16", 128, {"kvcache", "decode", "causal", "gqa"}) == "fa2"
@@ -69,11 +70,18 @@ def test_kvcache_on_sm90(no_fallback_warning):
     assert choose(80, "bf16", 128, {"kvcache", "decode"}) == "fa2"
 
 
-def test_paged_kvcache_on_sm90_runs_fa2_visibly():
-    with pytest.warns(D.BackendFallbackWarning, match=r"running fa2 instead of fa3, the preferred family on sm90, because fa3 does not support a paged K/V cache"):
-        assert choose(90, "bf16", 128, {"kvcache", "paged_kv"}) == "fa2"
-    with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call .*: fa3 does not support a paged K/V cache"):
-        choose(90, "bf16", 128, {"kvcache", "paged_kv"}, requested="fa3")
+def test_paged_kvcache_on_sm90(no_fallback_warning):
+    assert choose(90, "bf16", 128, {"kvcache", "paged_kv"}) == "fa3"
+    assert choose(90, "bf16", 128, {"varlen", "paged_kv"}) == "fa3"
+    assert choose(90, "bf16", 128, {"kvcache", "paged_kv", "decode"}) == "fa2"
+
+
+def test_unaligned_pages_on_sm90_run_fa2_visibly():
+    unaligned = {"kvcache", "paged_kv", "paged_kv_unaligned"}
+    with pytest.warns(D.BackendFallbackWarning, match=r"running fa2 instead of fa3, the preferred family on sm90, because fa3 does not support a paged K/V cache whose page_block_size is not a multiple of 8"):
+        assert choose(90, "bf16", 128, unaligned) == "fa2"
+    with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call .*: fa3 does not support a paged K/V cache whose page_block_size is not a multiple of 8"):
+        choose(90, "bf16", 128, unaligned, requested="fa3")
 
 
 def test_decode_without_fa2_built_runs_fa3_visibly():

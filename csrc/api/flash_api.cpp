@@ -623,6 +623,7 @@ void set_pages(flash::FwdParams& p, const at::Tensor& block_table, int64_t batch
   p.block_table = block_table.data_ptr<int>();
   p.block_table_stride = block_table.stride(0);
   p.page_size = int(k.size(1));
+  p.cache_batch = int(k.size(0));  // the pool's pages (the TMA maps' last extent)
 }
 
 // q (total_q, heads, hdim), k / v (total_k, heads_k, hdim); sequence b's rows start at

@@ -70,7 +70,9 @@ struct FwdParams {
   int cache_seqlen = 0, seqlen_new = 0;
   // KV cache: kvcache_prep is the kernel just ahead (it lets a pdl-launched kernel start).
   bool after_prep = false;
-  int cache_batch = 0;  // KV cache: k / v's first extent: the caches (>= batch with cache_batch_idx) or a pool's pages
+  // KV cache or paged K / V: k / v's first extent: the caches (>= batch with cache_batch_idx) or
+  // a pool's pages.
+  int cache_batch = 0;
   int head_dim = 0;  // the real head dim (<= the kernel's kHeadDim)
 
   float softmax_scale = 0.f;       // applied to q.k

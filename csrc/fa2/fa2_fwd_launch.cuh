@@ -7,9 +7,8 @@
 #include <stdexcept>
 #include <string>
 
-#include <cutlass/cuda_host_adapter.hpp>
-
 #include "common/check.h"
+#include "common/kv_box_map.h"
 #include "common/pdl.h"
 #include "fa2/fa2.h"
 #include "fa2/fa2_decode_kernel.cuh"
@@ -99,35 +98,6 @@ void launch_combine(const FwdParams& p, cudaStream_t stream, bool pdl = false) {
   FLASH_CHECK_LAUNCH();
 }
 
-// The tensor map of a KV cache (k or v, strides s) for the decode kernel's TMA boxes:
-// (head_dim, rows, heads_k, p.cache_batch) with rows the cache's capacity, or a paged pool's
-// page size (its first extent counts pages); boxes of 64 columns x box_rows rows in the
-// 128-byte swizzle; rows past the extent and columns past head_dim read as zeros.
-inline CUtensorMap decode_tensor_map(const void* ptr, const Strides& s, const FwdParams& p,
-                                     int rows, int box_rows, int element_bytes) {
-  // A stride must be a multiple of 16 bytes also along a dimension of extent 1, where the
-  // frontend leaves it as it comes; it is never stepped along (as in fa3_fwd_launch.cuh).
-  const int64_t row = rows > 1 ? s.row : p.head_dim;
-  const int64_t head = p.heads_k > 1 ? s.head : row * rows;
-  const int64_t batch = p.cache_batch > 1 ? s.batch : head * p.heads_k;
-  cuuint64_t dims[4] = {cuuint64_t(p.head_dim), cuuint64_t(rows), cuuint64_t(p.heads_k),
-                        cuuint64_t(p.cache_batch)};
-  cuuint64_t strides[3] = {cuuint64_t(row * element_bytes), cuuint64_t(head * element_bytes),
-                           cuuint64_t(batch * element_bytes)};
-  cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1};
-  cuuint32_t steps[4] = {1, 1, 1, 1};
-  CUtensorMap map;
-  const CUresult result = cutlass::call_cuTensorMapEncodeTiled(
-      &map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(ptr), dims, strides, box, steps,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (result != CUDA_SUCCESS) {
-    throw std::runtime_error("flash_attn: fa2 decode: cuTensorMapEncodeTiled failed (CUresult " +
-                             std::to_string(int(result)) + ")");
-  }
-  return map;
-}
-
 template <typename T, int kHeadDim, int kHalves, bool kTma>
 void launch_decode_kernel(const FwdParams& p, const DecodeTmaMaps& maps, cudaStream_t stream,
                           bool pdl) {
@@ -166,9 +136,8 @@ void launch_decode(const FwdParams& call, const FwdPlan& plan, cudaStream_t stre
     tma = p.code_arch == 90 && p.cache_batch > 0 && box_rows % 8 == 0;
     if (tma) {
       const int rows = paged ? p.page_size : p.seqlen_k;
-      const DecodeTmaMaps maps{decode_tensor_map(p.k, p.k_strides, p, rows, box_rows, sizeof(T)),
-                               decode_tensor_map(p.v, p.v_strides, p, rows, box_rows, sizeof(T)),
-                               box_rows};
+      const DecodeTmaMaps maps{kv_box_map(p.k, p.k_strides, p, rows, 64, box_rows),
+                               kv_box_map(p.v, p.v_strides, p, rows, 64, box_rows), box_rows};
       launch_decode_halves<T, kHeadDim, true>(p, maps, stream, plan.pdl);
     }
   }

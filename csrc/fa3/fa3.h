@@ -15,7 +15,11 @@
 namespace flash::fa3 {
 
 inline const char* fwd_unsupported(const FwdParams& p) {
-  if (p.block_table != nullptr) return "fa3 has no paged K/V kernels yet; fa2 runs them";
+  // Paged pools arrive as TMA boxes of 8 rows or more within a page (fa3_fwd_mainloop.h).
+  if (p.block_table != nullptr && p.page_size % 8 != 0) {
+    return "fa3 reads paged K/V in boxes of 8 rows or more within a page: its page_block_size "
+           "must be a multiple of 8; fa2 runs other pages";
+  }
   return p.dropout_p > 0.f ? "fa3 does not support dropout; fa2 runs it" : nullptr;
 }
 

@@ -41,6 +41,10 @@ struct FwdTma {
   TmaK k;
   TmaV v;
   TmaO o;  // the store of O from shared memory (FwdTraits::kStageO), else NoTma
+  // Paged K / V (params.block_table): maps over the pools for boxes of box_rows rows, each
+  // within a page (common/kv_box_map.h; the producer's load_paged); unset otherwise.
+  CUtensorMap paged_k, paged_v;
+  int box_rows;
 };
 
 template <class Tr>

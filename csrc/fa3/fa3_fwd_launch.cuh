@@ -13,11 +13,13 @@
 #include <cute/tensor.hpp>
 
 #include <cstdint>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 
 #include "common/check.h"
+#include "common/kv_box_map.h"
 #include "common/seqinfo.h"
 #include "common/tile_order.h"
 #include "fa3/fa3.h"
@@ -63,10 +65,13 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
                              tensor(static_cast<const Element*>(p.q), p.q_strides, rows_q,
                                     p.heads, SeqInfo::view_batch(p)),
                              take<0, 2>(typename Tr::SmemQ{}));
-  // K / V: multicast to the cluster's CTAs, each loading 1 / kClusterM of a tile.
+  // K / V: multicast to the cluster's CTAs, each loading 1 / kClusterM of a tile. Paged pools
+  // are viewed as (page_size, head_dim, heads_k, pages), a valid map the producer leaves for
+  // its box maps below.
+  const bool paged = p.block_table != nullptr;
   auto kv_tma = [&](const void* ptr, const Strides& s) {
-    auto g = tensor(static_cast<const Element*>(ptr), s, rows_k, p.heads_k,
-                    SeqInfo::view_batch_k(p));
+    auto g = tensor(static_cast<const Element*>(ptr), s, paged ? p.page_size : rows_k, p.heads_k,
+                    paged ? p.cache_batch : SeqInfo::view_batch_k(p));
     if constexpr (Tr::kClusterM > 1) {
       return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, g, take<0, 2>(typename Tr::SmemKV{}),
                            Int<Tr::kClusterM>{});
@@ -88,7 +93,19 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
     }
   }();
   using Tma = FwdTma<decltype(tma_q), decltype(tma_k), decltype(tma_v), decltype(tma_o)>;
-  const Tma tma{tma_q, tma_k, tma_v, tma_o};
+  Tma tma{tma_q, tma_k, tma_v, tma_o, CUtensorMap{}, CUtensorMap{}, 0};
+  if (paged) {
+    // Boxes within a page: the rows a page and a tile have in common (fa3.h: a multiple of 8).
+    using Mainloop = FwdMainloop<Tr>;
+    tma.box_rows = std::gcd(p.page_size, Tr::kBlockN);
+    if (!Mainloop::kPagedKernel || tma.box_rows % 8 != 0) {
+      throw std::runtime_error("flash_attn: fa3 forward: a paged call reached a kernel without "
+                               "the paged producer, or pages of " + std::to_string(p.page_size) +
+                               " rows (the boxes need a multiple of 8)");
+    }
+    tma.paged_k = kv_box_map(p.k, p.k_strides, p, p.page_size, Mainloop::kBoxCols, tma.box_rows);
+    tma.paged_v = kv_box_map(p.v, p.v_strides, p, p.page_size, Mainloop::kBoxCols, tma.box_rows);
+  }
   auto kernel = fwd_kernel<Tr, Scheduler, Tma>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));

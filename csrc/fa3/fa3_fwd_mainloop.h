@@ -20,6 +20,7 @@
 
 #include "common/fragment.h"
 #include "common/mask.h"
+#include "common/mma.cuh"
 #include "common/params.h"
 #include "common/score_mod.h"
 #include "common/seqinfo.h"
@@ -142,6 +143,45 @@ struct FwdMainloop {
 
   // ---- producer -----------------------------------------------------------------------------
 
+  // Paged K / V run on the kernels without clusters or stream-K (a paged call is planned as
+  // variable-length: fa3_plan.h); the others keep the dense producer alone.
+  static constexpr bool kPagedKernel = Tr::kClusterM == 1 && !Tr::kStreamK;
+  // The boxes' column width: a swizzle atom's (64 columns in the 128-byte swizzle, 32 at hdim
+  // 96's 64-byte one). In SmemKV the atoms of a column block lie row after row for all kBlockN
+  // rows, so column block c of tile rows [r, r + box_rows) starts at c * kBlockN * kBoxCols +
+  // r * kBoxCols elements into the stage (r a multiple of the atom's 8 rows).
+  static constexpr int kBoxCols = kHeadDim % 64 == 0 ? 64 : 32;
+
+  // Key tile n of a paged sequence into stage `stage` of `buf` (shared.k or .v) as boxes of
+  // box_rows rows (a divisor of kBlockN and of the page size, a multiple of 8: fa3.h), each
+  // within one page. The boxes past the sequence's last key repeat its last box, so that the
+  // stage receives the bytes its barrier expects from rows of the sequence's own pages (the
+  // consumers mask those keys and zero their V rows, as in a KV cache's tail: zero_tails). A
+  // page's entry is read once per tile (a page of >= box_rows keys serves several boxes).
+  __device__ __forceinline__ void load_paged(const FwdParams& p, const CUtensorMap* map,
+                                             int box_rows, Element* buf, const flash::SeqInfo& seq,
+                                             const Item& it, int n, int stage, uint64_t* bar) const {
+    Element* tile = buf + stage * kBlockN * kHeadDim;
+    const int* table = p.block_table + int64_t(seq.batch) * p.block_table_stride;
+    const int last = (it.seqlen_k - 1) / box_rows * box_rows;
+    int entry = -1, page = 0;
+    #pragma unroll 1
+    for (int r = 0; r < kBlockN; r += box_rows) {
+      const int key = min(n * kBlockN + r, last);
+      const int i = key / p.page_size;
+      if (i != entry) {
+        entry = i;
+        page = __ldg(table + i);
+      }
+      const int row = key - i * p.page_size;
+      #pragma unroll
+      for (int c = 0; c < kHeadDim / kBoxCols; ++c) {
+        flash::tma_load_4d(tile + c * kBlockN * kBoxCols + r * kBoxCols, map, c * kBoxCols, row,
+                           it.head_k, page, bar);
+      }
+    }
+  }
+
   // The producer thread's loads of every item the scheduler gives this CTA, published item by
   // item in the Q buffers (item -1 ends the consumers). A tile that sees no key loads nothing.
   template <class Tma, class Scheduler>
@@ -223,20 +263,39 @@ struct FwdMainloop {
       }
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q_full, Tr::kTmaBytesQ);
       copy(tma.q.with(*q_full), tQg, tQs);
-      #pragma unroll 1  // unrolled, it spilled in the producer's 24 registers
-      for (int n = it.tiles.end - 1; n >= it.tiles.begin; --n) {
-        pipe_k.producer_acquire(state);
-        copy(kv_tma(tma.k, *pipe_k.producer_get_barrier(state)), tKg(_, n),
-             tKs(_, state.index()));
-        // With one Q buffer the consumers wait for this Q and the first K: the first V follows
-        // once Q has landed, so that it does not share the SM's intake with them (+0.6..1.6%).
-        if (kStageO && n == it.tiles.end - 1) {
-          cutlass::arch::ClusterBarrier::wait(q_full, (published / kQBufs) & 1);
+      // The key tiles, last first. A paged call walks them in a loop of its own, so that the
+      // dense loop keeps the registers it had (one loop with a per-tile branch spilled 68 bytes
+      // in the two-consumer kernels: the page walk's state was hoisted out of it).
+      auto walk = [&](auto load_k, auto load_v) {
+        #pragma unroll 1  // unrolled, it spilled in the producer's 24 registers
+        for (int n = it.tiles.end - 1; n >= it.tiles.begin; --n) {
+          pipe_k.producer_acquire(state);
+          load_k(n, state.index(), pipe_k.producer_get_barrier(state));
+          // With one Q buffer the consumers wait for this Q and the first K: the first V
+          // follows once Q has landed, so that it does not share the SM's intake with them
+          // (+0.6..1.6%).
+          if (kStageO && n == it.tiles.end - 1) {
+            cutlass::arch::ClusterBarrier::wait(q_full, (published / kQBufs) & 1);
+          }
+          pipe_v.producer_acquire(state);
+          load_v(n, state.index(), pipe_v.producer_get_barrier(state));
+          ++state;
         }
-        pipe_v.producer_acquire(state);
-        copy(kv_tma(tma.v, *pipe_v.producer_get_barrier(state)), tVg(_, n),
-             tVs(_, state.index()));
-        ++state;
+      };
+      if (kPagedKernel && p.block_table != nullptr) {
+        walk([&](int n, int stage, uint64_t* bar) {
+               load_paged(p, &tma.paged_k, tma.box_rows, shared.k.data(), seq, it, n, stage, bar);
+             },
+             [&](int n, int stage, uint64_t* bar) {
+               load_paged(p, &tma.paged_v, tma.box_rows, shared.v.data(), seq, it, n, stage, bar);
+             });
+      } else {
+        walk([&](int n, int stage, uint64_t* bar) {
+               copy(kv_tma(tma.k, *bar), tKg(_, n), tKs(_, stage));
+             },
+             [&](int n, int stage, uint64_t* bar) {
+               copy(kv_tma(tma.v, *bar), tVg(_, n), tVs(_, stage));
+             });
       }
       // The loop's next() claims the next item only now, about kStages key tiles before the
       // consumers finish this one: claimed earlier, a long item's CTA held it back from CTAs

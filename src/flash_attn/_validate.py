@@ -34,7 +34,7 @@ MIN_ARCH = min(f.min_arch for f in build_matrix.FAMILIES.values())
 KERNEL_DEVICE_TYPE = "cuda"
 
 FEATURES = ("causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen", "paged_kv",
-            "kvcache", "decode")
+            "paged_kv_unaligned", "kvcache", "decode")
 
 
 class Shapes(NamedTuple):
@@ -344,6 +344,12 @@ def check_max_seqlen(name: str, value) -> int:
     return value
 
 
+def paged_features(page_size: int) -> set:
+    """A paged call's features: "paged_kv", and "paged_kv_unaligned" for pages that are not a
+    multiple of 8 rows (fa3 reads pages in TMA boxes of 8 rows or more; fa2 takes any page)."""
+    return {"paged_kv"} | ({"paged_kv_unaligned"} if page_size % 8 else set())
+
+
 def check_index_tensor(name: str, t, shape: Sequence[int], layout: str,
                        q_device: torch.device) -> None:
     """cu_seqlens / seqused / block_table: int32 of ``shape`` (None: any size) on q's device."""
@@ -415,7 +421,7 @@ def validate_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     return call_options(shapes, dtype, q.device, dropout_p=dropout_p,
                         softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                         softcap=softcap, alibi_slopes=alibi_slopes,
-                        extra={"varlen", "paged_kv"} if paged else {"varlen"})
+                        extra={"varlen"} | (paged_features(k.shape[1]) if paged else set()))
 
 
 # ---- the KV cache -----------------------------------------------------------------------------
@@ -541,12 +547,12 @@ def _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
 
+    extra = {"kvcache"} | (paged_features(k_cache.shape[1]) if paged else set())
+    if shapes.seqlen_q * (shapes.nheads // shapes.nheads_k) <= build_matrix.DECODE_MAX_ROWS:
+        extra.add("decode")
     call = call_options(shapes, dtype, q.device, dropout_p=0.0, softmax_scale=softmax_scale,
                         causal=causal, window_size=window_size, softcap=softcap,
-                        alibi_slopes=alibi_slopes,
-                        extra=({"kvcache", "paged_kv"} if paged else {"kvcache"}) | (
-                            {"decode"} if shapes.seqlen_q * (shapes.nheads // shapes.nheads_k)
-                            <= build_matrix.DECODE_MAX_ROWS else set()))
+                        alibi_slopes=alibi_slopes, extra=extra)
     if rotary_cos is not None and not isinstance(cache_seqlens, torch.Tensor):
         # q is rotated at cache_seqlens (+ its row when causal or local). With a tensor of
         # lengths this cannot be checked without reading it; the kernels clamp.

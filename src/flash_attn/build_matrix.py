@@ -81,20 +81,20 @@ FAMILIES: dict[str, Family] = {
         hdims=(32, 64, 96, 128, 192, 256),
         directions=("fwd", "bwd"),
         features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen",
-                            "paged_kv", "kvcache", "decode"}),
+                            "paged_kv", "paged_kv_unaligned", "kvcache", "decode"}),
     ),
     # FlashAttention-3's forward for Hopper: TMA loads by a producer warpgroup, WGMMA in two or
     # three consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its
-    # gradient is fa2's backward. Dropout and paged K/V are not implemented: such calls run fa2
-    # (visibly). KV caches: contiguous ones.
+    # gradient is fa2's backward. Dropout is not implemented, nor pages that are not a multiple
+    # of 8 rows: such calls run fa2 (visibly).
     "fa3": Family(
         name="fa3",
         min_arch=90,
         dtype_min_arch={"fp16": 90, "bf16": 90},
         hdims=(64, 96, 128, 192, 256),
         directions=("fwd",),
-        features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "varlen", "kvcache",
-                            "decode"}),
+        features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "varlen", "paged_kv",
+                            "kvcache", "decode"}),
         max_arch=90,
         bwd_family="fa2",
     ),
