@@ -244,8 +244,9 @@ def test_empty_cache(family):
 
 # fa2 runs a short query (seqlen_q * heads / heads_k <= 64) through its decode kernel (one warp
 # per KV head and 16 query rows, the query heads packed into the MMA's rows;
-# fa2_decode_kernel.cuh) and longer ones through the forward's kernel; _tuning fa2_decode=0 sends the short ones there too. Both
-# against the references, on the same inputs, with NaN in every cache row past the keys.
+# fa2_decode_kernel.cuh) and longer ones through the forward's kernel; _tuning fa2_decode=0
+# sends the short ones there too. Both against the references, on the same inputs, with NaN in
+# every cache row past the keys.
 @pytest.mark.parametrize("tuning", [None, {"fa2_decode": 0}], ids=["auto", "forward_kernel"])
 @pytest.mark.parametrize("case", [
     dict(seqlen_q=1, heads=(32, 8), d=128),

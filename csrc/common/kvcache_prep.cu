@@ -70,8 +70,10 @@ __global__ void __launch_bounds__(kThreads) kvcache_prep_kernel(const KvcachePre
         v_slot = r * p.v_cache_strides.batch + int64_t(pos) * p.v_cache_strides.row;
       }
       const int ro = p.rotary_cos != nullptr ? clamp_position(p, pos) : 0;
-      const T* k = static_cast<const T*>(p.k_new) + b * p.k_new_strides.batch + row * p.k_new_strides.row;
-      const T* v = static_cast<const T*>(p.v_new) + b * p.v_new_strides.batch + row * p.v_new_strides.row;
+      const T* k =
+          static_cast<const T*>(p.k_new) + b * p.k_new_strides.batch + row * p.k_new_strides.row;
+      const T* v =
+          static_cast<const T*>(p.v_new) + b * p.v_new_strides.batch + row * p.v_new_strides.row;
       T* k_cache = static_cast<T*>(p.k_cache) + k_slot;
       T* v_cache = static_cast<T*>(p.v_cache) + v_slot;
       const int n = p.heads_k * p.head_dim;

@@ -44,10 +44,10 @@ constexpr int fwd_block_n(int kernel_hdim) { return kernel_hdim <= 64 ? 128 : 64
 
 // The decode kernel (fa2_decode_kernel.cuh), for KV-cache calls with a short query: one warp
 // per (sequence, KV head, split, row group) holds 16 of the query rows of every query head of
-// that KV head, packed into the rows of one MMA tile, and streams K / V through kDecodeStages buffers of
-// decode_block_n keys (K and V about 16 KB a stage at any head dim). Rows are padded by 16 bytes
-// in shared memory (no swizzle: the padding alone spreads the 8 rows of an ldmatrix over all
-// banks, for any head dim).
+// that KV head, packed into the rows of one MMA tile, and streams K / V through kDecodeStages
+// buffers of decode_block_n keys (K and V about 16 KB a stage at any head dim). Rows are padded
+// by 16 bytes in shared memory (no swizzle: the padding alone spreads the 8 rows of an ldmatrix
+// over all banks, for any head dim).
 constexpr int kDecodeRows = 16;
 // Up to this many query rows per KV head take the decode kernel, in groups of kDecodeRows, one
 // warp each: the groups of a (sequence, KV head) are neighbouring blocks, so that all but the

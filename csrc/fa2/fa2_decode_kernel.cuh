@@ -115,7 +115,8 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
   const int tiles = max(0, min(all_end, tile_begin + per) - tile_begin);
 
   // The keys every query row sees (rows see more keys as their token grows).
-  const int seen_by_all_begin = mask.key_begin(token_last), seen_by_all_end = mask.key_end(token_first);
+  const int seen_by_all_begin = mask.key_begin(token_last);
+  const int seen_by_all_end = mask.key_end(token_first);
   const bool alibi = p.alibi_slopes != nullptr;
 
   // ---- the two rows of each lane: token, head, visible keys, ALiBi slope --------------------
@@ -187,13 +188,15 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
   auto load_tile = [&](int n, int stage) {
     if constexpr (kTma) {
       // Whole boxes: rows past the sequence come with the last one (past a contiguous cache's
-      // end, like columns past head_dim, as zeros), and count; boxes wholly past the sequence are not requested (their
-      // block-table entries may be anything). A box's rows start at a 1024-byte multiple
-      // (box_rows % 8 == 0), so the boxes of a part lay out as one box of kBlockN rows would.
+      // end, like columns past head_dim, as zeros), and count; boxes wholly past the sequence
+      // are not requested (their block-table entries may be anything). A box's rows start at a
+      // 1024-byte multiple (box_rows % 8 == 0), so the boxes of a part lay out as one box of
+      // kBlockN rows would.
       constexpr int kParts = kHeadDim / 64;
       static_assert(2 * kParts * (kBlockN / 8) <= 32, "a lane per box");
       const int box_rows = maps.box_rows;
-      const int live = min(kBlockN / box_rows, (mask.seqlen_k - n * kBlockN + box_rows - 1) / box_rows);
+      const int live =
+          min(kBlockN / box_rows, (mask.seqlen_k - n * kBlockN + box_rows - 1) / box_rows);
       if (lane == 0) bulk_expect(bar + stage, 2 * kParts * live * box_rows * 64 * sizeof(T));
       __syncwarp();
       if (lane < 2 * kParts * live) {
@@ -206,7 +209,8 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
           row = at.row;
           batch = at.page;
         }
-        T* dst = (is_v ? sV : sK) + stage * kBlockN * kKvRow + part * kBlockN * 64 + box * box_rows * 64;
+        T* dst = (is_v ? sV : sK) + stage * kBlockN * kKvRow + part * kBlockN * 64 +
+                 box * box_rows * 64;
         tma_load_4d(dst, is_v ? &maps.v : &maps.k, 64 * part, row, head_k, batch, bar + stage);
       }
       return;

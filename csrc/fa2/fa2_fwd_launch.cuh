@@ -54,7 +54,9 @@ __global__ void __launch_bounds__(128) combine_splits_kernel(const __grid_consta
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     const float lse = m == -INFINITY ? INFINITY : m + logf(sum);
 #pragma unroll
-    for (int j = 0; j < kMaxSplits / 32; ++j) weight[lane + 32 * j] = l[j] == -INFINITY ? 0.f : expf(l[j] - lse);
+    for (int j = 0; j < kMaxSplits / 32; ++j) {
+      weight[lane + 32 * j] = l[j] == -INFINITY ? 0.f : expf(l[j] - lse);
+    }
     if (lane == 0) p.lse[r] = lse;
   }
   __syncthreads();
@@ -68,7 +70,9 @@ __global__ void __launch_bounds__(128) combine_splits_kernel(const __grid_consta
       // ptxas does not fold each load into its FMA's predicate and issue them one by one.
       float x[kBatch];
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) x[j] = o[int64_t(min(s0 + j, splits - 1)) * rows * p.head_dim];
+      for (int j = 0; j < kBatch; ++j) {
+        x[j] = o[int64_t(min(s0 + j, splits - 1)) * rows * p.head_dim];
+      }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) acc += weight[min(s0 + j, kMaxSplits - 1)] * x[j];
     }

@@ -162,8 +162,9 @@ struct FwdMainloop {
   // (a division and a clamp a box held pages of 16 rows at 0.47-0.55x a contiguous cache's
   // speed).
   __device__ __forceinline__ void load_paged(const FwdParams& p, const CUtensorMap* map,
-                                             int box_rows, Element* buf, const flash::SeqInfo& seq,
-                                             const Item& it, int n, int stage, uint64_t* bar) const {
+                                             int box_rows, Element* buf,
+                                             const flash::SeqInfo& seq, const Item& it, int n,
+                                             int stage, uint64_t* bar) const {
     Element* tile = buf + stage * kBlockN * kHeadDim;
     const int* table = p.block_table + int64_t(seq.batch) * p.block_table_stride;
     const int first = n * kBlockN;
@@ -374,12 +375,11 @@ struct FwdMainloop {
 
   // Variable-length and KV caches: the tiles read rows past the sequence (the next sequence's,
   // what lies past seqused, a cache's rows past its length), where a dense call's TMA fills
-  // zeros. Before its walk, a consumer zeroes
-  // them in shared memory: its own Q rows past the used rows, and the V rows of the walk's
-  // first tile (the sequence's last) past its keys, which P = 0 does not cancel where they are
-  // inf or NaN. The rows past the used ones then vote as in a dense call (the lazy softmax's
-  // rescale is a warp's vote), so a packed batch of equal lengths gives the dense result. K rows
-  // past the keys are masked. Both consumers write the same zeros into V; the stage is not
+  // zeros. Before its walk, a consumer zeroes them in shared memory: its own Q rows past the
+  // used rows, and the V rows of the walk's first tile (the sequence's last) past its keys,
+  // which P = 0 does not cancel where they are inf or NaN. The rows past the used ones then
+  // vote as in a dense call (the lazy softmax's rescale is a warp's vote), so a packed batch of
+  // equal lengths gives the dense result. K rows past the keys are masked. Both consumers write the same zeros into V; the stage is not
   // refilled before both release it.
   __device__ __forceinline__ void zero_tails(const FwdParams& p, const flash::Mask& mask,
                                              int n, PipelineState& st, int wg_row0, int qb,
