@@ -298,6 +298,33 @@ def test_decode_kernel(case, tuning):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("page", [8, 16, 24, 48])
+def test_decode_kernel_paged_long_splits(page, num_splits):
+    # A split spanning hundreds of pages: the decode kernel reads the block table 32 entries
+    # at a time, a window ahead, and a tile's boxes may straddle two windows (page 24 or 48
+    # with a split starting inside a page). Bitwise the contiguous call's result.
+    dtype, d, batch, capacity = torch.bfloat16, 128, 2, 4800  # 4800: whole pages of each size
+    skip_unless_kvcache("fa2", dtype, d, paged=True)
+    q = randn(batch, 1, 32, d, dtype=dtype)
+    k_cache, v_cache = (randn(batch, capacity, 8, d, dtype=dtype) for _ in range(2))
+    k, v = (randn(batch, 1, 8, d, dtype=dtype) for _ in range(2))
+    lengths = [capacity - 1, 1531]
+    for b, n in enumerate(lengths):
+        k_cache[b, n + 1:] = math.nan
+        v_cache[b, n + 1:] = math.nan
+    kw = dict(k=k, v=v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
+              num_splits=num_splits)
+    k_pool, block_table = paged_copy(k_cache, page)
+    v_pool, _ = paged_copy(v_cache, page, block_table)
+    for b, n in enumerate(lengths):
+        block_table[b, -(-(n + 1) // page):] = -1
+    want = check_call("fa2", q, k_cache, v_cache, dtype, **kw)
+    got = flash_attn.flash_attn_with_kvcache(q, k_pool, v_pool, block_table=block_table,
+                                             backend="fa2", **kw)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 7, 64])
 def test_decode_kernel_splits(num_splits):
     # Splits with no key (short sequences, 64 splits), and the forward kernel's split-KV for

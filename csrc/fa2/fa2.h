@@ -131,16 +131,22 @@ inline int fwd_splits(const FwdParams& p, int kernel_hdim) {
 // ran at the speed of two (H200, batch 8 and 32 at 8k, 9 and 3 splits: 1.09 and 1.45 waves,
 // 1.6 and 2.2 TB/s where batch 128, one split, read 3.1). Shared memory per SM: sm90 228 KB,
 // sm80 / sm87 164 KB, sm86 / sm89 100 KB, less 1 KB per block.
+// Pages that cut a key tile into several pieces take three blocks per SM there instead: a
+// warp issues its own copies, twice as many TMA boxes a tile at page 16, and with two warps
+// per SM that ran at 0.78-0.89x the contiguous call's speed, with three at 0.95-0.98 (H200,
+// hdim 128, batch 1-4, 8k / 32k; a contiguous cache loses 1-7% at three).
 inline int decode_splits(const FwdParams& p, int kernel_hdim) {
   const int64_t items = int64_t(p.batch) * p.heads_k * decode_row_groups(p);
-  const int64_t tiles = (p.seqlen_k + decode_block_n(kernel_hdim) - 1) / decode_block_n(kernel_hdim);
+  const int block_n = decode_block_n(kernel_hdim);
+  const int64_t tiles = (p.seqlen_k + block_n - 1) / block_n;
   int64_t splits = p.splits_requested;
   if (splits <= 0) {
     const int64_t sm_bytes = (p.arch == 90 ? 228 : p.arch == 80 || p.arch == 87 ? 164 : 100) * 1024;
     const int64_t per_sm = std::max<int64_t>(1, sm_bytes / (decode_smem_bytes(kernel_hdim) + 1024));
     const int64_t sms = std::max(p.num_sms, 1);
+    const bool cut_tiles = p.block_table != nullptr && p.page_size % block_n != 0;
     splits = per_sm * sms / items;
-    if (splits > 8) splits = std::min<int64_t>(per_sm, 2) * sms / items;
+    if (splits > 8) splits = std::min<int64_t>(per_sm, cut_tiles ? 3 : 2) * sms / items;
     splits = std::min(splits, tiles / 4);
   }
   return int(std::max<int64_t>(1, std::min<int64_t>({splits, tiles, 128})));

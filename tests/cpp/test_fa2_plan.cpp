@@ -75,6 +75,21 @@ int main() {
   CHECK(plan_fwd(decode(128, 1, 32, 8, 8192), 128).num_splits == 1);   // 1024 items
   CHECK(plan_fwd(decode(1, 1, 32, 8, 100), 128).num_splits == 1);      // 4 tiles
   CHECK(plan_fwd(decode(8, 8, 32, 8, 8192), 128).num_splits == 4);     // 2 groups: 512 blocks
+  {  // Pages that cut a 32-key tile: 3 blocks per SM (396 slots); pages of whole tiles: 2.
+    FwdParams p = decode(1, 1, 32, 8, 8192);
+    static const int table[1] = {0};
+    p.block_table = table;
+    p.page_size = 16;
+    CHECK(plan_fwd(p, 128).num_splits == 49);  // 396 / 8 items
+    p.batch = 4;
+    CHECK(plan_fwd(p, 128).num_splits == 12);
+    p.batch = 8;
+    CHECK(plan_fwd(p, 128).num_splits == 8);   // a wave
+    p.batch = 1, p.page_size = 8;
+    CHECK(plan_fwd(p, 128).num_splits == 49);
+    p.page_size = 64;
+    CHECK(plan_fwd(p, 128).num_splits == 33);
+  }
   {  // One block per SM where shared memory holds one (sm86: 100 KB).
     FwdParams p = decode(1, 1, 32, 8, 131072);
     p.arch = 86;
