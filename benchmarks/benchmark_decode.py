@@ -211,7 +211,7 @@ def render(report: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=C.parse_int_list, default=[1, 8, 32, 128])
+    p.add_argument("--batches", type=C.parse_int_list, default=[1, 2, 4, 8, 32, 128])
     p.add_argument("--lengths", type=C.parse_int_list, default=C.parse_int_list("1k,8k,32k,128k"))
     p.add_argument("--max-tokens", type=int, default=1 << 22,
                    help="skip rows with batch x length above this (memory)")
