@@ -378,6 +378,17 @@ def test_write_sources_leaves_unchanged_files_alone(tmp_path):
     assert (tmp_path / "built_archs.inc").stat().st_mtime_ns == 1
 
 
+def test_page_rows_is_fa3s():
+    # The frontend's "paged_kv_unaligned" rule is fa3's page requirement.
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "fa3" / "fa3.h").read_text()
+    m = re.search(r"constexpr int kPageRows = (\d+);", header)
+    assert m and int(m.group(1)) == M.PAGE_ROWS
+    from flash_attn import _validate
+    for page in (1, 7, M.PAGE_ROWS, 3 * M.PAGE_ROWS, 3 * M.PAGE_ROWS + 1, 256):
+        unaligned = "paged_kv_unaligned" in _validate.paged_features(page)
+        assert unaligned == (page % M.PAGE_ROWS != 0)
+
+
 def test_decode_max_rows_is_fa2s():
     # The dispatcher's decode threshold (fa2 first) is the fa2 decode kernel's row limit.
     header = (Path(__file__).resolve().parents[1] / "csrc" / "fa2" / "fa2.h").read_text()

@@ -14,9 +14,13 @@
 
 namespace flash::fa3 {
 
+// Paged pools arrive as TMA boxes of a multiple of 8 rows within a page (fa3_fwd_mainloop.h:
+// a box's rows start at a swizzle atom's), so pages must be a multiple of this many rows. The
+// frontend's feature "paged_kv_unaligned" is the same rule (build_matrix.PAGE_ROWS).
+constexpr int kPageRows = 8;
+
 inline const char* fwd_unsupported(const FwdParams& p) {
-  // Paged pools arrive as TMA boxes of 8 rows or more within a page (fa3_fwd_mainloop.h).
-  if (p.block_table != nullptr && p.page_size % 8 != 0) {
+  if (p.block_table != nullptr && p.page_size % kPageRows != 0) {
     return "fa3 reads paged K/V in boxes of 8 rows or more within a page: its page_block_size "
            "must be a multiple of 8; fa2 runs other pages";
   }

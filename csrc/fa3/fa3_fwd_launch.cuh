@@ -95,10 +95,11 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   using Tma = FwdTma<decltype(tma_q), decltype(tma_k), decltype(tma_v), decltype(tma_o)>;
   Tma tma{tma_q, tma_k, tma_v, tma_o, CUtensorMap{}, CUtensorMap{}, 0};
   if (paged) {
-    // Boxes within a page: the rows a page and a tile have in common (fa3.h: a multiple of 8).
+    // Boxes within a page: the rows a page and a tile have in common (fa3.h: a multiple of
+    // kPageRows).
     using Mainloop = FwdMainloop<Tr>;
     tma.box_rows = std::gcd(p.page_size, Tr::kBlockN);
-    if (!Mainloop::kPagedKernel || tma.box_rows % 8 != 0) {
+    if (!Mainloop::kPagedKernel || tma.box_rows % kPageRows != 0) {
       throw std::runtime_error("flash_attn: fa3 forward: a paged call reached a kernel without "
                                "the paged producer, or pages of " + std::to_string(p.page_size) +
                                " rows (the boxes need a multiple of 8)");

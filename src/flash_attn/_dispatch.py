@@ -53,7 +53,8 @@ _FEATURE_TEXT = {
     "dropout": "dropout_p > 0",
     "varlen": "variable-length batches (cu_seqlens)",
     "paged_kv": "a paged K/V cache (block_table)",
-    "paged_kv_unaligned": "a paged K/V cache whose page_block_size is not a multiple of 8",
+    "paged_kv_unaligned": "a paged K/V cache whose page_block_size is not a multiple of "
+                          f"{build_matrix.PAGE_ROWS}",
     "kvcache": "attention over a KV cache (flash_attn_with_kvcache)",
     "decode": "a KV-cache call with few query rows per KV head (decoding)",
 }

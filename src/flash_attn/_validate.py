@@ -346,8 +346,10 @@ def check_max_seqlen(name: str, value) -> int:
 
 def paged_features(page_size: int) -> set:
     """A paged call's features: "paged_kv", and "paged_kv_unaligned" for pages that are not a
-    multiple of 8 rows (fa3 reads pages in TMA boxes of 8 rows or more; fa2 takes any page)."""
-    return {"paged_kv"} | ({"paged_kv_unaligned"} if page_size % 8 else set())
+    multiple of build_matrix.PAGE_ROWS rows (fa3 reads pages in TMA boxes of that many rows or
+    more; fa2 takes any page)."""
+    unaligned = page_size % build_matrix.PAGE_ROWS
+    return {"paged_kv"} | ({"paged_kv_unaligned"} if unaligned else set())
 
 
 def check_index_tensor(name: str, t, shape: Sequence[int], layout: str,

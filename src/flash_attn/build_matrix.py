@@ -111,6 +111,11 @@ PREFERENCE = ("fa3", "fa2", "fa1")
 # prefer fa2. The limit is fa2's kDecodeMaxRows (csrc/fa2/fa2.h; a test keeps them equal).
 DECODE_MAX_ROWS = 64
 
+# fa3 reads a paged K / V cache as TMA boxes of 8 rows or more within a page, so its pages must
+# be a multiple of this many rows; other pages carry the feature "paged_kv_unaligned", which only
+# fa2 has. fa3's kPageRows (csrc/fa3/fa3.h; a test keeps them equal).
+PAGE_ROWS = 8
+
 
 def preference(features: Iterable[str] = ()) -> tuple[str, ...]:
     """PREFERENCE for a call with these features: decode calls try fa2 first."""
