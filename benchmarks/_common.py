@@ -468,5 +468,33 @@ def run_and_report(name: str, args, device: torch.device, config: dict,
 def write_json(report: dict, path: Path) -> None:
     """Through a temporary file, so an interrupted write never leaves a truncated JSON."""
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1))
+    tmp.write_text(json.dumps(report, indent=1, default=str))
     tmp.replace(path)
+
+
+def start_report(name: str, args) -> tuple:
+    """(flash_attn, our backends on the GPU, report) for a benchmark of our kernels alone that
+    needs a CUDA GPU and the package (benchmark_decode / _prefill), or None after saying why
+    not. report: meta, config (the command line), results []."""
+    if not torch.cuda.is_available():
+        log(f"benchmark_{name}: no CUDA GPU visible; this benchmark needs one")
+        return None
+    fa, fa_error = load_flash_attn()
+    if fa is None:
+        log(f"flash_attn: {fa_error}")
+        return None
+    ours, ours_error = our_backend_names(fa, fa_error, torch.device("cuda"))
+    report = dict(meta=metadata(torch.device("cuda"), fa, ours, ours_error),
+                  config=dict(vars(args), out_dir=str(args.out_dir)), results=[])
+    return fa, ours, report
+
+
+def finish_report(name: str, args, report: dict, render_markdown: Callable[[dict], str]) -> int:
+    """Writes <name>_<GPU>_<dtype>[...].{json,md} under args.out_dir, prints the markdown."""
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / output_stem(name, report["meta"], args.dtype, args.quick, args.tag)
+    write_json(report, stem.with_suffix(".json"))
+    md = render_markdown(report)
+    stem.with_suffix(".md").write_text(md)
+    print(md, end="")
+    return 0

@@ -29,7 +29,6 @@ decode_<GPU>_<dtype>[...].{md,json} to --out-dir.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -243,17 +242,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.lengths = [1, 8], [1024, 8192]
-    if not torch.cuda.is_available():
-        C.log("benchmark_decode: no CUDA GPU visible; this benchmark needs one")
+    started = C.start_report("decode", args)
+    if started is None:
         return 2
-    fa, fa_error = C.load_flash_attn()
-    if fa is None:
-        C.log(f"flash_attn: {fa_error}")
-        return 2
+    fa, _, report = started
+    report["host"] = {}
     dtype = C.DTYPES[args.dtype]
-    ours, ours_error = C.our_backend_names(fa, fa_error, torch.device("cuda"))
-    report = dict(meta=C.metadata(torch.device("cuda"), fa, ours, ours_error),
-                  config=dict(vars(args), out_dir=str(args.out_dir)), results=[], host={})
     for batch in args.batches:
         for length in args.lengths:
             if batch * length > args.max_tokens:
@@ -279,14 +273,7 @@ def main(argv=None) -> int:
     host = host_us({"ours": ours, "cudnn": sdpa_fns(q, kc, vc, 1024)["cudnn"]})
     for name, us in host.items():
         report["host"][f"{name}_us"] = None if us is None else round(us, 1)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / C.output_stem("decode", report["meta"], args.dtype, args.quick,
-                                        args.tag)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
-    md = render(report)
-    stem.with_suffix(".md").write_text(md)
-    print(md, end="")
-    return 0
+    return C.finish_report("decode", args, report, render)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ prefill_<GPU>_<dtype>[...].{md,json} to --out-dir.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -147,19 +146,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.lengths, args.seqlens_q, args.pages = [8192], [512], [16]
-    if not torch.cuda.is_available():
-        C.log("benchmark_prefill: no CUDA GPU visible; this benchmark needs one")
+    started = C.start_report("prefill", args)
+    if started is None:
         return 2
-    fa, fa_error = C.load_flash_attn()
-    if fa is None:
-        C.log(f"flash_attn: {fa_error}")
-        return 2
+    fa, ours, report = started
     dtype = C.DTYPES[args.dtype]
-    ours, ours_error = C.our_backend_names(fa, fa_error, torch.device("cuda"))
-    families = [f for f in ("fa3", "fa2") if f in ours]
-    report = dict(meta=C.metadata(torch.device("cuda"), fa, ours, ours_error),
-                  config=dict(vars(args), out_dir=str(args.out_dir)), families=families,
-                  results=[])
+    families = report["families"] = [f for f in ("fa3", "fa2") if f in ours]
     for length in args.lengths:
         for seqlen_q in args.seqlens_q:
             if seqlen_q > length:
@@ -169,14 +161,7 @@ def main(argv=None) -> int:
             report["results"].append(r)
             C.log(f"cache {length} new {seqlen_q}: {r['ms']}")
             C.release_memory()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / C.output_stem("prefill", report["meta"], args.dtype, args.quick,
-                                        args.tag)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
-    md = render(report)
-    stem.with_suffix(".md").write_text(md)
-    print(md, end="")
-    return 0
+    return C.finish_report("prefill", args, report, render)
 
 
 if __name__ == "__main__":
