@@ -385,21 +385,33 @@ def test_decode_kernel_splits_with_odd_rows():
     check_call("fa2", q, k_cache, v_cache, dtype, cache_seqlens=lengths, num_splits=3)
 
 
-def test_decode_chain_matches_plain_launches():
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_decode_chain_matches_plain_launches(seqlen_q, rotary):
     # sm90 launches kvcache_prep, the decode kernel and the combine as a programmatic chain
-    # (each may start before the one ahead ends, and waits before reading what it wrote);
-    # fa2_pdl=0 launches them plainly. Same results, bitwise, with splits and an append.
+    # (each may start before the one ahead ends); the decode kernel waits for kvcache_prep only
+    # before it reads the rotated q or a key tile that holds new keys. fa2_pdl=0 launches them
+    # plainly. Same results, bitwise, with splits; the new keys' slots hold NaN before the
+    # call, so a tile read before kvcache_prep wrote them would show. Lengths put the new keys
+    # at a tile's start, across two tiles (4 tokens at 30..33), in a split's first tile.
     dtype, d = torch.bfloat16, 128
     skip_unless_kvcache("fa2", dtype, d)
-    q = randn(3, 1, 32, d, dtype=dtype)
-    k, v = (randn(3, 1, 8, d, dtype=dtype) for _ in range(2))
-    caches = [randn(3, 4096, 8, d, dtype=dtype) for _ in range(2)]
-    lengths = torch.tensor([4095, 17, 2000], dtype=torch.int32, device=DEVICE)
-    outs = []
-    for tuning in (None, {"fa2_pdl": 0}):
-        k_cache, v_cache = (c.clone() for c in caches)
-        outs.append(flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
-                                                       cache_seqlens=lengths, causal=True,
-                                                       num_splits=5, backend="fa2",
-                                                       _tuning=tuning))
-    assert torch.equal(outs[0], outs[1])
+    q = randn(4, seqlen_q, 32, d, dtype=dtype)
+    k, v = (randn(4, seqlen_q, 8, d, dtype=dtype) for _ in range(2))
+    caches = [randn(4, 4096, 8, d, dtype=dtype) for _ in range(2)]
+    lengths = [4096 - seqlen_q, 30, 2000, 64]
+    for c in caches:
+        for b, n in enumerate(lengths):
+            c[b, n:n + seqlen_q] = math.nan
+    kw = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=DEVICE),
+              causal=True, num_splits=5, backend="fa2")
+    if rotary:
+        kw["rotary_cos"], kw["rotary_sin"] = rotary_tables(4096, d, dtype)
+    for _ in range(3):
+        outs = []
+        for tuning in (None, {"fa2_pdl": 0}):
+            k_cache, v_cache = (c.clone() for c in caches)
+            outs.append(flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v,
+                                                           _tuning=tuning, **kw))
+        assert torch.isfinite(outs[0]).all()
+        assert torch.equal(outs[0], outs[1])

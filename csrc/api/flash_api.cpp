@@ -851,6 +851,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
   p.cache_leftpad = leftpad;
   p.cache_batch = int(k_cache.size(0));
   p.after_prep = after_prep;
+  p.q_from_prep = after_prep && rotary;
   p.splits_requested = int(std::min<int64_t>(num_splits, 1 << 20));
   p.rng_state = nullptr;
   kernel.fwd(p, kernel.hdim, parse_tuning(tuning), q);

@@ -68,8 +68,9 @@ struct FwdParams {
   const int* cache_batch_idx = nullptr;
   const int* cache_leftpad = nullptr;
   int cache_seqlen = 0, seqlen_new = 0;
-  // KV cache: kvcache_prep is the kernel just ahead (it lets a pdl-launched kernel start).
-  bool after_prep = false;
+  // KV cache: kvcache_prep is the kernel just ahead (it lets a pdl-launched kernel start);
+  // q_from_prep: q is its rotated copy (it writes the new keys in any case).
+  bool after_prep = false, q_from_prep = false;
   // KV cache or paged K / V: k / v's first extent: the caches (>= batch with cache_batch_idx) or
   // a pool's pages.
   int cache_batch = 0;

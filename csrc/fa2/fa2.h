@@ -82,8 +82,10 @@ struct FwdPlan {
   bool decode = false;          // the decode kernel (decode_fits), else the forward's
   // sm90, decode after kvcache_prep: the decode kernel and the combine with programmatic
   // launch (common/pdl.h), scheduled while the kernel ahead (kvcache_prep, the decode kernel)
-  // finishes. Only after kvcache_prep: the decode kernel reads the lengths before its wait,
-  // safe when the kernel ahead is one that never writes them and began after all that did.
+  // finishes. Only after kvcache_prep: the decode kernel reads the lengths, the block table
+  // and the cached keys before its wait (it waits only for the rotated q or a tile of new
+  // keys), safe when the kernel ahead is one that never writes them and began after all that
+  // did.
   // sm90 code only (FwdParams::code_arch): the compute_80 PTX has no waits.
   bool pdl = false;
 };

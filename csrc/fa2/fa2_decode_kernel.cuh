@@ -138,10 +138,17 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
 
   // ---- copies ---------------------------------------------------------------------------------
   // Launched with pdl (sm90, after kvcache_prep: fa2.h's FwdPlan), the block may run while
-  // kvcache_prep still writes the new keys into the cache and the rotated q: everything above
-  // reads only what it does not write (lengths, leftpad, slopes); from here on (Q, block
-  // table, K / V) the block reads what it wrote.
-  pdl_wait();
+  // kvcache_prep still writes the new keys into the cache and the rotated q. It waits for that
+  // grid (pdl_wait) only before it reads either: the rotated q, or a key tile that holds new
+  // keys (the sequence's last one or two, in one split). Lengths, slopes, the block table and
+  // the cached keys it reads before: kvcache_prep does not write them.
+  const int new_begin = mask.seqlen_k - p.seqlen_new;  // the sequence's new keys: [new_begin, seqlen_k)
+  bool prep_done = false;
+  auto wait_for_prep = [&] {
+    if (!prep_done) pdl_wait();
+    prep_done = true;
+  };
+  if (p.q_from_prep) wait_for_prep();
   // Q: rows past `rows` and columns past head_dim are zero.
   {
     const T* q = static_cast<const T*>(p.q);
@@ -186,6 +193,7 @@ __global__ void __launch_bounds__(32) decode_kernel(const __grid_constant__ FwdP
   fence_proxy_async();
   __syncwarp();
   auto load_tile = [&](int n, int stage) {
+    if (p.seqlen_new > 0 && (n + 1) * kBlockN > new_begin) wait_for_prep();  // warp-uniform
     if constexpr (kTma) {
       // Whole boxes: rows past the sequence come with the last one (past a contiguous cache's
       // end, like columns past head_dim, as zeros), and count; boxes wholly past the sequence
