@@ -18,22 +18,38 @@ namespace flash::fa2 {
 
 // Split-KV's merge of the splits (FwdParams::o_accum): one block per (batch, head, query row),
 // lse = log sum_s exp(lse_s) and out = sum_s exp(lse_s - lse) O_s; a row no split saw a key
-// for gets zeros and lse +inf. Warp 0 turns the splits' lse into weights, then each thread
-// sums its columns over the splits. A decode step waits on this kernel's latency, so every
-// global load is issued in batches into registers before its first use: written as one
-// loop, ptxas had issued the O loads one at a time behind each FMA (batch 1, 33 splits: 33
-// round trips; ncu 14.4 us against cuDNN's reduction's 4.4). Dense (batch, seqlen_q, heads)
-// rows only (fa2.h).
+// for gets zeros and lse +inf. Warp 0 turns the splits' lse into weights while every thread
+// loads its columns of the first kBatch splits, then each thread sums its columns over the
+// splits. A decode step waits on this kernel's latency, so every global load is issued in
+// batches into registers before its first use: written as one loop, ptxas had issued the O
+// loads one at a time behind each FMA (batch 1, 33 splits: 33 round trips; ncu 14.4 us
+// against cuDNN's reduction's 4.4); the first batch does not wait for the weights (one round
+// trip for both where there are at most kBatch splits). Dense (batch, seqlen_q, heads) rows
+// only (fa2.h).
 template <typename T>
 __global__ void __launch_bounds__(128) combine_splits_kernel(const __grid_constant__ FwdParams p) {
-  constexpr int kMaxSplits = 128, kBatch = 16;  // fa2.h: num_splits <= 128
+  constexpr int kMaxSplits = 128, kBatch = 32, kThreads = 128;  // fa2.h: num_splits <= 128
+  constexpr int kCols = 2;  // columns a thread sums: head_dim <= 256
   __shared__ float weight[kMaxSplits];
   const int64_t rows = int64_t(p.batch) * p.heads * p.seqlen_q;
   const int64_t r = blockIdx.x;  // (batch, head, row) as lse's
   const int i = int(r % p.seqlen_q), h = int(r / p.seqlen_q % p.heads);
   const int b = int(r / p.seqlen_q / p.heads);
   const int splits = p.num_splits;
+  const int64_t split_stride = rows * p.head_dim;
+  const float* o = p.o_accum + r * p.head_dim;  // column d of split s at o[s * split_stride + d]
   pdl_wait();  // the partials (a no-op unless launched with pdl: launch_decode)
+  // Unpredicated loads (past the last split: the last split again, at weight 0), so that ptxas
+  // does not fold each load into its FMA's predicate and issue them one by one.
+  float x[kCols][kBatch];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int d = threadIdx.x + c * kThreads;
+    if (d < p.head_dim) {
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) x[c][j] = o[int64_t(min(j, splits - 1)) * split_stride + d];
+    }
+  }
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     float l[kMaxSplits / 32];  // split lane + 32 j's lse; -inf past the splits (weight 0)
@@ -45,13 +61,13 @@ __global__ void __launch_bounds__(128) combine_splits_kernel(const __grid_consta
     float m = -INFINITY;
 #pragma unroll
     for (int j = 0; j < kMaxSplits / 32; ++j) m = fmaxf(m, l[j]);
-    for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     float sum = 0.f;
     if (m != -INFINITY) {
 #pragma unroll
       for (int j = 0; j < kMaxSplits / 32; ++j) sum += expf(l[j] - m);
     }
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     const float lse = m == -INFINITY ? INFINITY : m + logf(sum);
 #pragma unroll
     for (int j = 0; j < kMaxSplits / 32; ++j) {
@@ -62,19 +78,19 @@ __global__ void __launch_bounds__(128) combine_splits_kernel(const __grid_consta
   __syncthreads();
   T* out = static_cast<T*>(p.o) + b * p.o_strides.batch + i * p.o_strides.row +
            h * p.o_strides.head;
-  for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
-    const float* o = p.o_accum + r * p.head_dim + d;  // split s at o[s * rows * head_dim]
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int d = threadIdx.x + c * kThreads;
+    if (d >= p.head_dim) continue;
     float acc = 0.f;
-    for (int s0 = 0; s0 < splits; s0 += kBatch) {
-      // Unpredicated loads (past the last split: the last split again, at weight 0), so that
-      // ptxas does not fold each load into its FMA's predicate and issue them one by one.
-      float x[kBatch];
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        x[j] = o[int64_t(min(s0 + j, splits - 1)) * rows * p.head_dim];
-      }
+    for (int j = 0; j < kBatch; ++j) acc += weight[j] * x[c][j];
+    for (int s0 = kBatch; s0 < splits; s0 += kBatch) {
+      float y[kBatch];
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) acc += weight[min(s0 + j, kMaxSplits - 1)] * x[j];
+      for (int j = 0; j < kBatch; ++j) y[j] = o[int64_t(min(s0 + j, splits - 1)) * split_stride + d];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) acc += weight[s0 + j] * y[j];
     }
     out[d] = T(acc);
   }
