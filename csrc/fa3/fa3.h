@@ -14,7 +14,7 @@
 
 namespace flash::fa3 {
 
-// Paged pools arrive as TMA boxes of a multiple of 8 rows within a page (fa3_fwd_mainloop.h:
+// Paged pools arrive as TMA boxes of a multiple of 8 rows within a page (fa3_fwd_paged.h:
 // a box's rows start at a swizzle atom's), so pages must be a multiple of this many rows. The
 // frontend's feature "paged_kv_unaligned" is the same rule (build_matrix.PAGE_ROWS).
 constexpr int kPageRows = 8;

@@ -25,6 +25,7 @@
 #include "common/params.h"
 #include "common/seqinfo.h"
 #include "fa3/fa3_fwd_mainloop.h"
+#include "fa3/fa3_item.h"
 #include "fa3/fa3_scheduler.h"
 #include "fa3/fa3_softmax.h"
 #include "fa3/fa3_utils.h"
@@ -42,7 +43,7 @@ struct FwdTma {
   TmaV v;
   TmaO o;  // the store of O from shared memory (FwdTraits::kStageO), else NoTma
   // Paged K / V (params.block_table): maps over the pools for boxes of box_rows rows, each
-  // within a page (common/kv_box_map.h; the producer's load_paged); unset otherwise.
+  // within a page (common/kv_box_map.h; PagedKV::load, fa3_fwd_paged.h); unset otherwise.
   CUtensorMap paged_k, paged_v;
   int box_rows;
 };

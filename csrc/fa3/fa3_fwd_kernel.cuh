@@ -20,6 +20,7 @@
 #include "fa3/fa3_fwd_epilogue.h"
 #include "fa3/fa3_fwd_mainloop.h"
 #include "fa3/fa3_fwd_traits.h"
+#include "fa3/fa3_item.h"
 #include "fa3/fa3_scheduler.h"
 
 namespace flash::fa3 {

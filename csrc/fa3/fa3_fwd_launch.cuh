@@ -97,15 +97,15 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
   if (paged) {
     // Boxes within a page: the rows a page and a tile have in common (fa3.h: a multiple of
     // kPageRows).
-    using Mainloop = FwdMainloop<Tr>;
+    using Paged = PagedKV<Tr>;
     tma.box_rows = std::gcd(p.page_size, Tr::kBlockN);
-    if (!Mainloop::kPagedKernel || tma.box_rows % kPageRows != 0) {
+    if (!Paged::kEnabled || tma.box_rows % kPageRows != 0) {
       throw std::runtime_error("flash_attn: fa3 forward: a paged call reached a kernel without "
                                "the paged producer, or pages of " + std::to_string(p.page_size) +
                                " rows (the boxes need a multiple of 8)");
     }
-    tma.paged_k = kv_box_map(p.k, p.k_strides, p, p.page_size, Mainloop::kBoxCols, tma.box_rows);
-    tma.paged_v = kv_box_map(p.v, p.v_strides, p, p.page_size, Mainloop::kBoxCols, tma.box_rows);
+    tma.paged_k = kv_box_map(p.k, p.k_strides, p, p.page_size, Paged::kBoxCols, tma.box_rows);
+    tma.paged_v = kv_box_map(p.v, p.v_strides, p, p.page_size, Paged::kBoxCols, tma.box_rows);
   }
   auto kernel = fwd_kernel<Tr, Scheduler, Tma>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -24,6 +24,8 @@
 #include "common/params.h"
 #include "common/score_mod.h"
 #include "common/seqinfo.h"
+#include "fa3/fa3_fwd_paged.h"
+#include "fa3/fa3_item.h"
 #include "fa3/fa3_scheduler.h"
 #include "fa3/fa3_softmax.h"
 #include "fa3/fa3_utils.h"
@@ -32,79 +34,13 @@ namespace flash::fa3 {
 
 using namespace cute;
 
-// One (query tile, head, batch) item as the CTA of cluster rank `rank` sees it, with the key
-// tiles the CTA's rows see and its sequence's lengths. In a cluster the order's tiles are
-// groups of kClusterM query tiles: rank r takes the r-th, and the key tiles are the group's,
-// the same in every CTA.
-struct Item {
-  int m_block, head, batch, head_k, row0;
-  flash::KeyTiles tiles;
-  int seqlen_q, seqlen_k;
-};
-
-// lengths: the sequence's (seqlen_q, seqlen_k) as the producer published them (variable-length
-// batches and KV caches: a consumer would otherwise read cu_seqlens / seqused / cache_seqlens
-// again, latency at every item's start), or nullptr: read them (SeqInfo).
-template <class Tr, class Scheduler>
-__device__ __forceinline__ Item item_at(const FwdParams& p, const Scheduler& sched, int i,
-                                        int rank, const int2* lengths = nullptr) {
-  const flash::WorkItem w = sched.decode(i);
-  const flash::Mask mask = lengths != nullptr && (p.cu_seqlens_q != nullptr || p.kv_cache)
-                               ? flash::Mask(p, lengths->x, lengths->y)
-                               : flash::Mask(p, flash::SeqInfo(p, w.batch));
-  Item it;
-  const int group = sched.order.tiles - 1 - w.tile;
-  it.m_block = group * Tr::kClusterM + rank;
-  it.head = w.head;
-  it.batch = w.batch;
-  it.head_k = w.head_k;
-  it.row0 = it.m_block * Tr::kBlockM;
-  it.seqlen_q = mask.seqlen_q;
-  it.seqlen_k = mask.seqlen_k;
-  // Variable-length: the items cover the longest sequence; a tile past this one's used rows
-  // sees no key (its rows up to the sequence's end are written as rows that see none).
-  const int group_row0 = group * Tr::kClusterM * Tr::kBlockM;
-  it.tiles = group_row0 < mask.seqlen_q
-                 ? mask.key_tiles<Tr::kBlockM * Tr::kClusterM, Tr::kBlockN>(group_row0)
-                 : flash::KeyTiles{};
-  return it;
-}
-
-// The scores q_row[r] . k_row[c] of kRows rows and kCols keys (fp32 sums of the 16-bit
-// products, into score[r * kCols + c]), with CUDA cores from global memory: the lazy softmax
-// step's rare fallback (fa3_softmax.h's settle). Not inlined, so that its registers and loads
-// stay out of the loop (inline it cost the 2-CTA kernel at hdim 256 1-2% in spills). head_dim,
-// the row strides and the bases are multiples of 8 elements, so each step is a 16-byte load.
-// A null q_row is a row past seqlen_q, whose Q TMA fills with zeros.
-template <class Element, int kRows, int kCols>
-__device__ __noinline__ void rescore_rows(const Element* const (&q_row)[kRows],
-                                          const Element* const (&k_row)[kCols], int head_dim,
-                                          float (&score)[kRows * kCols]) {
-  #pragma unroll 1
-  for (int r = 0; r < kRows; ++r) {
-    #pragma unroll 1
-    for (int c = 0; c < kCols; ++c) {
-      float acc = 0.f;
-      #pragma unroll 1
-      for (int d = 0; q_row[r] != nullptr && d < head_dim; d += 8) {
-        const uint4 qa = *reinterpret_cast<const uint4*>(q_row[r] + d);
-        const uint4 ka = *reinterpret_cast<const uint4*>(k_row[c] + d);
-        const Element* qe = reinterpret_cast<const Element*>(&qa);
-        const Element* ke = reinterpret_cast<const Element*>(&ka);
-        CUTE_UNROLL
-        for (int j = 0; j < 8; ++j) acc = fmaf(float(qe[j]), float(ke[j]), acc);
-      }
-      score[r * kCols + c] = acc;
-    }
-  }
-}
-
 template <class Tr>
 struct FwdMainloop {
   using Element = typename Tr::Element;
   using Pipeline = typename Tr::Pipeline;
   using PipelineState = typename Tr::PipelineState;
   using SharedStorage = typename Tr::SharedStorage;
+  using Paged = PagedKV<Tr>;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   static constexpr int kQBufs = Tr::kQBufs;
   static constexpr bool kStageO = Tr::kStageO;
@@ -142,52 +78,6 @@ struct FwdMainloop {
   }
 
   // ---- producer -----------------------------------------------------------------------------
-
-  // Paged K / V run on the kernels without clusters or stream-K (a paged call is planned as
-  // variable-length: fa3_plan.h); the others keep the dense producer alone.
-  static constexpr bool kPagedKernel = Tr::kClusterM == 1 && !Tr::kStreamK;
-  // The boxes' column width: a swizzle atom's (64 columns in the 128-byte swizzle, 32 at hdim
-  // 96's 64-byte one). In SmemKV the atoms of a column block lie row after row for all kBlockN
-  // rows, so column block c of tile rows [r, r + box_rows) starts at c * kBlockN * kBoxCols +
-  // r * kBoxCols elements into the stage (r a multiple of the atom's 8 rows).
-  static constexpr int kBoxCols = kHeadDim % 64 == 0 ? 64 : 32;
-
-  // Key tile n of a paged sequence into stage `stage` of `buf` (shared.k or .v) as boxes of
-  // box_rows rows (a divisor of kBlockN and of the page size, a multiple of 8: fa3.h), each
-  // within one page. The boxes past the sequence's last key repeat its last box, so that the
-  // stage receives the bytes its barrier expects from rows of the sequence's own pages (the
-  // consumers mask those keys and zero their V rows, as in a KV cache's tail: zero_tails).
-  // One thread issues every box, so the walk is counted in instructions: one division a tile,
-  // then the box's row steps through its page and the next entry is read where a page ends
-  // (a division and a clamp a box held pages of 16 rows at 0.47-0.55x a contiguous cache's
-  // speed).
-  __device__ __forceinline__ void load_paged(const FwdParams& p, const CUtensorMap* map,
-                                             int box_rows, Element* buf,
-                                             const flash::SeqInfo& seq, const Item& it, int n,
-                                             int stage, uint64_t* bar) const {
-    Element* tile = buf + stage * kBlockN * kHeadDim;
-    const int* table = p.block_table + int64_t(seq.batch) * p.block_table_stride;
-    const int first = n * kBlockN;
-    const int live = min(kBlockN, it.seqlen_k - first);  // >= 1: the tile has keys
-    int entry = first / p.page_size;
-    int row = first - entry * p.page_size;
-    int page = __ldg(table + entry);
-    #pragma unroll 1
-    for (int r = 0; r < kBlockN; r += box_rows) {
-      #pragma unroll
-      for (int c = 0; c < kHeadDim / kBoxCols; ++c) {
-        flash::tma_load_4d(tile + c * kBlockN * kBoxCols + r * kBoxCols, map, c * kBoxCols, row,
-                           it.head_k, page, bar);
-      }
-      if (r + box_rows < live) {  // the next box holds keys: step to it
-        row += box_rows;
-        if (row == p.page_size) {
-          row = 0;
-          page = __ldg(table + ++entry);
-        }
-      }
-    }
-  }
 
   template <class Tma, class Scheduler>
   __device__ __forceinline__ void load(const FwdParams& p, const Tma& tma, const Scheduler& sched,
@@ -287,12 +177,14 @@ struct FwdMainloop {
           ++state;
         }
       };
-      if (kPagedKernel && p.block_table != nullptr) {
+      if (Paged::kEnabled && p.block_table != nullptr) {
         walk([&](int n, int stage, uint64_t* bar) {
-               load_paged(p, &tma.paged_k, tma.box_rows, shared.k.data(), seq, it, n, stage, bar);
+               Paged::load(p, &tma.paged_k, tma.box_rows, shared.k.data(), seq.batch, it.head_k,
+                           it.seqlen_k, n, stage, bar);
              },
              [&](int n, int stage, uint64_t* bar) {
-               load_paged(p, &tma.paged_v, tma.box_rows, shared.v.data(), seq, it, n, stage, bar);
+               Paged::load(p, &tma.paged_v, tma.box_rows, shared.v.data(), seq.batch, it.head_k,
+                           it.seqlen_k, n, stage, bar);
              });
       } else {
         walk([&](int n, int stage, uint64_t* bar) {
@@ -373,14 +265,14 @@ struct FwdMainloop {
     return tiles;
   }
 
-  // Variable-length and KV caches: the tiles read rows past the sequence (the next sequence's,
-  // what lies past seqused, a cache's rows past its length), where a dense call's TMA fills
-  // zeros. Before its walk, a consumer zeroes them in shared memory: its own Q rows past the
-  // used rows, and the V rows of the walk's first tile (the sequence's last) past its keys,
-  // which P = 0 does not cancel where they are inf or NaN. The rows past the used ones then
-  // vote as in a dense call (the lazy softmax's rescale is a warp's vote), so a packed batch of
-  // equal lengths gives the dense result. K rows past the keys are masked. Both consumers write the same zeros into V; the stage is not
-  // refilled before both release it.
+  // Variable-length and KV caches: the tiles read rows past the sequence (the next sequence's, what
+  // lies past seqused, a cache's rows past its length), where a dense call's TMA fills zeros.
+  // Before its walk, a consumer zeroes them in shared memory: its own Q rows past the used rows,
+  // and the V rows of the walk's first tile (the sequence's last) past its keys, which P = 0 does
+  // not cancel where they are inf or NaN. The rows past the used ones then vote as in a dense call
+  // (the lazy softmax's rescale is a warp's vote), so a packed batch of equal lengths gives the
+  // dense result. K rows past the keys are masked. Both consumers write the same zeros into V; the
+  // stage is not refilled before both release it.
   __device__ __forceinline__ void zero_tails(const FwdParams& p, const flash::Mask& mask,
                                              int n, PipelineState& st, int wg_row0, int qb,
                                              int cw) {

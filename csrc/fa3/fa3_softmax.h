@@ -111,4 +111,33 @@ struct Softmax : flash::Softmax<kRows> {
   }
 };
 
+// The scores q_row[r] . k_row[c] of kRows rows and kCols keys (fp32 sums of the 16-bit products,
+// into score[r * kCols + c]), with CUDA cores from global memory: the lazy softmax step's rare
+// fallback (Softmax::settle's recompute, through FwdMainloop). Not inlined, so that its registers
+// and loads stay out of the loop (inline it cost the 2-CTA kernel at hdim 256 1-2% in spills).
+// head_dim, the row strides and the bases are multiples of 8 elements, so each step is a 16-byte
+// load. A null q_row is a row past seqlen_q, whose Q TMA fills with zeros.
+template <class Element, int kRows, int kCols>
+__device__ __noinline__ void rescore_rows(const Element* const (&q_row)[kRows],
+                                          const Element* const (&k_row)[kCols], int head_dim,
+                                          float (&score)[kRows * kCols]) {
+  #pragma unroll 1
+  for (int r = 0; r < kRows; ++r) {
+    #pragma unroll 1
+    for (int c = 0; c < kCols; ++c) {
+      float acc = 0.f;
+      #pragma unroll 1
+      for (int d = 0; q_row[r] != nullptr && d < head_dim; d += 8) {
+        const uint4 qa = *reinterpret_cast<const uint4*>(q_row[r] + d);
+        const uint4 ka = *reinterpret_cast<const uint4*>(k_row[c] + d);
+        const Element* qe = reinterpret_cast<const Element*>(&qa);
+        const Element* ke = reinterpret_cast<const Element*>(&ka);
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) acc = fmaf(float(qe[j]), float(ke[j]), acc);
+      }
+      score[r * kCols + c] = acc;
+    }
+  }
+}
+
 }  // namespace flash::fa3

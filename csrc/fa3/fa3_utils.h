@@ -43,7 +43,8 @@ CUTE_HOST_DEVICE constexpr auto rowcol(Layout const& acc) {
 // is two adjacent n8 blocks. ((2, 2, N/8), M, N) -> ((2, 2, 2), M, (N/16, N)).
 template <class Layout>
 CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(Layout const& acc) {
-  auto split = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, N/16))
+  // (2, 2, (2, N/16))
+  auto split = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});
   return make_layout(make_layout(get<0>(split), get<1>(split), get<2, 0>(split)), get<1>(acc),
                      make_layout(get<2, 1>(split), get<2>(acc)));
 }
