@@ -150,6 +150,22 @@ def _sdpa_fn(which) -> AttnFn:
     return fn
 
 
+def sdpa_backend_fns(qt, kt, vt, names, **sdpa_kwargs) -> dict:
+    """{name: a call of F.scaled_dot_product_attention(qt, kt, vt, **sdpa_kwargs) on that one
+    SDPA backend} for names among cudnn / flash / efficient / math; tensors in SDPA's (b, h, s,
+    d) layout, as the KV-cache benchmarks build them."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+    def call(which):
+        def fn():
+            with sdpa_kernel(which):
+                return F.scaled_dot_product_attention(qt, kt, vt, **sdpa_kwargs)
+        return fn
+    return {name: call(backends[name]) for name in names}
+
+
 def plain_attention(q, k, v, causal):
     """Attention the way a typical model writes it (nanoGPT style): materialised scores, a mask
     built in the forward, softmax in fp32, cast back. Its matmuls copy the transposed views."""

@@ -37,7 +37,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import _common as C  # noqa: E402
 
@@ -128,19 +127,10 @@ def copy_ms(nbytes: int, reps: int) -> float:
 
 def sdpa_fns(q, k_cache, v_cache, length):
     """SDPA's backends on the cache's first `length` keys, q as (b, h, 1, d)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     qt = q.transpose(1, 2)
     kt, vt = (c[:, :length].transpose(1, 2) for c in (k_cache, v_cache))
-    fns = {}
-    for name, which in (("cudnn", SDPBackend.CUDNN_ATTENTION),
-                        ("flash", SDPBackend.FLASH_ATTENTION),
-                        ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                        ("math", SDPBackend.MATH)):
-        def fn(which=which):
-            with sdpa_kernel(which):
-                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
-        fns[name] = fn
-    return fns
+    return C.sdpa_backend_fns(qt, kt, vt, ("cudnn", "flash", "efficient", "math"),
+                              enable_gqa=True)
 
 
 def paged(k_cache, v_cache, page: int):

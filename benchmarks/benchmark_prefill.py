@@ -26,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import _common as C  # noqa: E402
 import benchmark_decode as D  # noqa: E402
@@ -36,21 +35,12 @@ def sdpa_fns(q, k_cache, v_cache):
     """SDPA's fused backends on (q, the caches' keys) with the lower-right causal mask, K / V
     repeated to the query heads: SDPA's lower-right paths (torch.nn.attention.bias.CausalBias)
     call the flash and efficient kernels without GQA, and cuDNN through a materialised mask."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
     group = q.shape[2] // k_cache.shape[2]
     qt = q.transpose(1, 2)
     kt, vt = (c.repeat_interleave(group, dim=2).transpose(1, 2) for c in (k_cache, v_cache))
     mask = causal_lower_right(qt.shape[2], kt.shape[2])
-    fns = {}
-    for name, which in (("cudnn", SDPBackend.CUDNN_ATTENTION),
-                        ("flash", SDPBackend.FLASH_ATTENTION),
-                        ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        def fn(which=which):
-            with sdpa_kernel(which):
-                return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
-        fns[name] = fn
-    return fns
+    return C.sdpa_backend_fns(qt, kt, vt, ("cudnn", "flash", "efficient"), attn_mask=mask)
 
 
 def row(fa, families, batch, length, seqlen_q, hdim, heads, heads_k, dtype, pages, reps):
