@@ -301,9 +301,9 @@ def test_decode_kernel(case, tuning):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("page", [8, 16, 24, 48])
 def test_decode_kernel_paged_long_splits(page, num_splits):
-    # A split spanning hundreds of pages: the decode kernel reads the block table 32 entries
-    # at a time, a window ahead, and a tile's boxes may straddle two windows (page 24 or 48
-    # with a split starting inside a page). Bitwise the contiguous call's result.
+    # A split spanning hundreds of pages, each box's page looked up in the block table, and
+    # splits that start inside a page (pages of 24 or 48 rows: a 32-key tile's boxes in two
+    # pages). Bitwise the contiguous call's result.
     dtype, d, batch, capacity = torch.bfloat16, 128, 2, 4800  # 4800: whole pages of each size
     skip_unless_kvcache("fa2", dtype, d, paged=True)
     q = randn(batch, 1, 32, d, dtype=dtype)
