@@ -1,7 +1,8 @@
 // The FA3 forward kernel: who does what. A persistent grid of CTAs that take (query tile, head,
 // batch) items from a scheduler (fa3_scheduler.h), three or four warpgroups each:
 //   warpgroup 0, the producer: one thread loads each item's Q and K / V tiles with TMA
-//     (FwdMainloop::load) into shared memory, publishing the item with its Q;
+//     (FwdMainloop::load) into shared memory, publishing the item with its Q; over a paged
+//     cache with many boxes a tile the other warps' lane 0 issue a share of them (help_paged);
 //   warpgroups 1.., the consumers, 64 query rows of the item each: take the item
 //     (FwdMainloop::take), walk its key tiles with WGMMA and the online softmax
 //     (FwdMainloop::mma), then write O and the lse (FwdEpilogue), for stream-K after merging
@@ -19,6 +20,7 @@
 #include "common/seqinfo.h"
 #include "fa3/fa3_fwd_epilogue.h"
 #include "fa3/fa3_fwd_mainloop.h"
+#include "fa3/fa3_fwd_paged.h"
 #include "fa3/fa3_fwd_traits.h"
 #include "fa3/fa3_item.h"
 #include "fa3/fa3_scheduler.h"
@@ -55,7 +57,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       p.rng_state[0] = 0;
       p.rng_state[1] = 0;
     }
-    if (threadIdx.x == 0) mainloop.load(p, tma, sched, rank);
+    if (threadIdx.x == 0) {
+      mainloop.load(p, tma, sched, rank);
+    } else if (threadIdx.x % 32 == 0 && PagedKV<Tr>::helpers(p, tma)) {
+      mainloop.help_paged(p, tma, threadIdx.x / 32);  // warps 1-3 of the producer warpgroup
+    }
     return;
   }
 

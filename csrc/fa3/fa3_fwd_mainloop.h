@@ -73,11 +73,19 @@ struct FwdMainloop {
         cutlass::arch::ClusterTransactionBarrier::init(&shared.q_full[b], 1);
         cutlass::arch::ClusterBarrier::init(&shared.q_empty[b], 128 * Tr::kConsumers);
       }
+      Paged::init(shared);
       cutlass::arch::fence_barrier_init();
     }
   }
 
   // ---- producer -----------------------------------------------------------------------------
+
+  // Warps 1-3 of the producer warpgroup (lane 0) where a paged call has helpers
+  // (fa3_fwd_paged.h).
+  template <class Tma>
+  __device__ __forceinline__ void help_paged(const FwdParams& p, const Tma& tma, int warp) {
+    Paged::help(p, tma, shared, pipe_k, pipe_v, warp);
+  }
 
   template <class Tma, class Scheduler>
   __device__ __forceinline__ void load(const FwdParams& p, const Tma& tma, const Scheduler& sched,
@@ -148,12 +156,18 @@ struct FwdMainloop {
         shared.piece[qb] = make_int2(it.tiles.begin, it.tiles.end);
       }
       compiler_fence();
+      // Paged with helpers: every item goes to the helper warps too (help_paged), after its Q;
+      // the end as end = -1.
+      const bool paged = Paged::kEnabled && p.block_table != nullptr;
+      const bool helped = Paged::helpers(p, tma);
       if (done) {
         cutlass::arch::ClusterBarrier::arrive(q_full);
+        if (helped) Paged::publish(shared, published, 0, 0, 0, 0, -1);
         break;
       }
       if (it.tiles.empty()) {
         cutlass::arch::ClusterBarrier::arrive(q_full);
+        if (helped) Paged::publish(shared, published, 0, 0, 0, 0, 0);
         continue;
       }
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(q_full, Tr::kTmaBytesQ);
@@ -177,7 +191,18 @@ struct FwdMainloop {
           ++state;
         }
       };
-      if (Paged::kEnabled && p.block_table != nullptr) {
+      if (helped) {
+        Paged::publish(shared, published, seq.batch, it.head_k, it.seqlen_k, it.tiles.begin,
+                       it.tiles.end);
+        walk([&](int n, int stage, uint64_t* bar) {
+               Paged::load_group(p, &tma.paged_k, tma.box_rows, shared.k.data(), seq.batch,
+                                 it.head_k, it.seqlen_k, n, stage, bar, 0);
+             },
+             [&](int n, int stage, uint64_t* bar) {
+               Paged::load_group(p, &tma.paged_v, tma.box_rows, shared.v.data(), seq.batch,
+                                 it.head_k, it.seqlen_k, n, stage, bar, 0);
+             });
+      } else if (paged) {
         walk([&](int n, int stage, uint64_t* bar) {
                Paged::load(p, &tma.paged_k, tma.box_rows, shared.k.data(), seq.batch, it.head_k,
                            it.seqlen_k, n, stage, bar);

@@ -98,6 +98,11 @@ struct FwdTraits {
     int2 piece[kQBufs];                   // stream-K: the item's key tiles [x, y) in this piece
     int2 lengths[kQBufs];                 // variable-length: the item's (seqlen_q, seqlen_k)
     int split_old[kConsumers];            // stream-K: the item's pieces finished before this
+    // Paged K / V: the item whose key tiles the producer warpgroup's other warps help load
+    // (FwdMainloop::load_paged), handed over by the producer thread.
+    alignas(8) uint64_t walk_full;   // published (the producer thread's arrival)
+    alignas(8) uint64_t walk_empty;  // read by every helper
+    int walk[5];                     // batch, head_k, seqlen_k, tiles begin, end; end < 0: done
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
