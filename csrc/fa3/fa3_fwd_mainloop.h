@@ -199,8 +199,13 @@ struct FwdMainloop {
                                  it.head_k, it.seqlen_k, n, stage, bar, 0);
              },
              [&](int n, int stage, uint64_t* bar) {
-               Paged::load_group(p, &tma.paged_v, tma.box_rows, shared.v.data(), seq.batch,
-                                 it.head_k, it.seqlen_k, n, stage, bar, 0);
+               if (kStageO && n == it.tiles.end - 1) {  // after Q, by this thread alone (help)
+                 Paged::load(p, &tma.paged_v, tma.box_rows, shared.v.data(), seq.batch,
+                             it.head_k, it.seqlen_k, n, stage, bar);
+               } else {
+                 Paged::load_group(p, &tma.paged_v, tma.box_rows, shared.v.data(), seq.batch,
+                                   it.head_k, it.seqlen_k, n, stage, bar, 0);
+               }
              });
       } else if (paged) {
         walk([&](int n, int stage, uint64_t* bar) {

@@ -34,8 +34,9 @@ struct PagedKV {
   static constexpr int kWarps = 4;  // the producer warpgroup's, each issuing boxes with helpers
 
   // Whether warps 1-3 of the producer warpgroup issue a share of a paged call's boxes: where a
-  // key tile has a row group of boxes (load_group) for each warp (pages of 16 / 32 rows at
-  // kBlockN 128; every paged call at hdim 192 / 256, whose boxes have 16 rows).
+  // key tile has a row group of boxes (load_group) for each warp (box_rows at most kBlockN / 4:
+  // pages of 8 / 16 / 32 rows at kBlockN 128, pages whose boxes have 8 or 16 rows at hdim 192 /
+  // 256's kBlockN 112 / 80).
   template <class Tma>
   static __device__ __forceinline__ bool helpers(const FwdParams& p, const Tma& tma) {
     return kEnabled && p.block_table != nullptr && kBlockN / tma.box_rows >= kWarps;
@@ -161,9 +162,14 @@ struct PagedKV {
         pipe_k.producer_acquire(state);
         load_group(p, &tma.paged_k, tma.box_rows, shared.k.data(), batch, head_k, seqlen_k, n,
                    state.index(), pipe_k.producer_get_barrier(state), warp);
-        pipe_v.producer_acquire(state);
-        load_group(p, &tma.paged_v, tma.box_rows, shared.v.data(), batch, head_k, seqlen_k, n,
-                   state.index(), pipe_v.producer_get_barrier(state), warp);
+        // With kStageO the item's first V follows its Q (FwdMainloop::load); the producer thread
+        // issues that tile alone. (A helper waiting on Q could miss its phase: a one-tile item
+        // releases Q before its V, and the next item's Q may land first.)
+        if (!(Tr::kStageO && n == end - 1)) {
+          pipe_v.producer_acquire(state);
+          load_group(p, &tma.paged_v, tma.box_rows, shared.v.data(), batch, head_k, seqlen_k, n,
+                     state.index(), pipe_v.producer_get_barrier(state), warp);
+        }
         ++state;
       }
     }

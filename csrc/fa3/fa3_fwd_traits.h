@@ -99,7 +99,7 @@ struct FwdTraits {
     int2 lengths[kQBufs];                 // variable-length: the item's (seqlen_q, seqlen_k)
     int split_old[kConsumers];            // stream-K: the item's pieces finished before this
     // Paged K / V: the item whose key tiles the producer warpgroup's other warps help load
-    // (FwdMainloop::load_paged), handed over by the producer thread.
+    // (PagedKV::help, fa3_fwd_paged.h), handed over by the producer thread.
     alignas(8) uint64_t walk_full;   // published (the producer thread's arrival)
     alignas(8) uint64_t walk_empty;  // read by every helper
     int walk[5];                     // batch, head_k, seqlen_k, tiles begin, end; end < 0: done
