@@ -187,7 +187,8 @@ def test_paged_matches_contiguous(family, page):
 # all, fewer keys than queries, cache_batch_idx with leftpad. Paged (shuffled pages, NaN in
 # the spares): fa3 reads a tile as boxes of gcd(page, kBlockN) rows, each within a page:
 # 16-row boxes of a tile spanning pages (page 16 or 48; hdim 256's tile of 80 keys), 8-row
-# boxes in the 64-byte swizzle (hdim 96) and at hdim 192 (112 keys), one box a tile (256).
+# boxes in the 64-byte swizzle (hdim 96) and at hdim 192 (112 keys), one box a tile (256); 40
+# new keys after an empty cache: query tiles with one key tile (hdim 256, page 16).
 @pytest.mark.parametrize("case", [
     dict(d=128, causal=True),
     dict(d=64, window_size=(200, 0), softcap=25.0),
@@ -196,6 +197,7 @@ def test_paged_matches_contiguous(family, page):
     dict(d=64, causal=True, batch_idx=True),
     dict(d=128, causal=True, page=16),
     dict(d=256, causal=True, page=48),
+    dict(d=256, causal=True, page=16, seqlen_new=40),
     dict(d=96, window_size=(200, 0), page=24),
     dict(d=192, causal=True, page=8),
     dict(d=64, causal=True, seqlen_new=0, page=256),
