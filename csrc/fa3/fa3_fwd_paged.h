@@ -30,7 +30,7 @@ struct PagedKV {
   // rows, so column block c of tile rows [r, r + box_rows) starts at c * kBlockN * kBoxCols +
   // r * kBoxCols elements into the stage (r a multiple of the atom's 8 rows).
   static constexpr int kBoxCols = kHeadDim % 64 == 0 ? 64 : 32;
-  static constexpr int kParts = kHeadDim / kBoxCols;  // boxes side by side in a row group
+  static constexpr int kParts = kHeadDim / kBoxCols;  // boxes side by side across a row
   static constexpr int kWarps = 4;  // the producer warpgroup's, each issuing boxes with helpers
 
   // Whether warps 1-3 of the producer warpgroup issue a share of a paged call's boxes: where a
@@ -64,7 +64,7 @@ struct PagedKV {
     #pragma unroll 1
     for (int r = 0; r < kBlockN; r += box_rows) {
       #pragma unroll
-      for (int c = 0; c < kHeadDim / kBoxCols; ++c) {
+      for (int c = 0; c < kParts; ++c) {
         flash::tma_load_4d(tile + c * kBlockN * kBoxCols + r * kBoxCols, map, c * kBoxCols, row,
                            head_k, page, bar);
       }
