@@ -31,4 +31,33 @@ inline const char* fwd_unsupported(const FwdParams& p) {
 template <typename T, int kHeadDim>
 void run_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream);
 
+// The backward, first form (fa3_bwd_kernel.cuh): dense calls, causal or not, GQA.
+inline const char* bwd_unsupported(const BwdParams& p) {
+  if (p.cu_seqlens_q != nullptr || p.kv_cache) return "fa3's backward takes dense calls only yet";
+  if (p.window_left >= 0 || (p.window_right >= 0 && !p.causal)) {
+    return "fa3's backward has no sliding window yet";
+  }
+  if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
+    return "fa3's backward has no softcap or ALiBi yet";
+  }
+  if (p.dropout_p > 0.f) return "fa3 does not support dropout; fa2 runs it";
+  if (p.deterministic) return "fa3's backward has no deterministic mode yet";
+  return nullptr;
+}
+
+struct BwdPlan {
+  int64_t workspace_bytes = 0;  // dQ accumulator (fp32), lse in base 2, D
+};
+
+inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
+  constexpr int64_t kRowPad = 64;  // fa3_bwd_prep.cuh: kBwdRowPad
+  const int64_t rows = int64_t(p.batch) * p.heads * ((p.seqlen_q + kRowPad - 1) / kRowPad * kRowPad);
+  BwdPlan plan;
+  plan.workspace_bytes = rows * (kernel_hdim + 2) * 4;
+  return plan;
+}
+
+template <typename T, int kHeadDim>
+void run_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream);
+
 }  // namespace flash::fa3

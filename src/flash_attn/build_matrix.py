@@ -92,7 +92,7 @@ FAMILIES: dict[str, Family] = {
         min_arch=90,
         dtype_min_arch={"fp16": 90, "bf16": 90},
         hdims=(64, 96, 128, 192, 256),
-        directions=("fwd",),
+        directions=("fwd", "bwd"),
         features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "varlen", "paged_kv",
                             "kvcache", "decode"}),
         max_arch=90,

@@ -1,0 +1,268 @@
+// The FA3 backward kernel, first form: one CTA per (key tile, KV head, batch), three
+// warpgroups:
+//   warpgroup 0, the producer: one thread loads the CTA's K and V once, then each step's Q and
+//     dO tiles (TMA) with their rows' lse and D (bulk copies) into two-stage pipelines;
+//   warpgroups 1-2, the consumers, 64 keys each, per step (kBlockM query rows of one head):
+//     S^T = K Q^T, dP^T = V dO^T           SS WGMMA
+//     P^T = exp2(S^T scale - lse), dS^T = P^T o (dP^T - D)
+//     dV += P^T dO, dK += dS^T Q           RS WGMMA, P^T / dS^T from registers
+//     dS^T to shared memory; dQ[:, half c] = dS K[:, half c]   SS WGMMA, then fp32 atomics
+//   and at the end write dK (times softmax_scale) and dV.
+// The steps walk every query head of the KV head's group, so dK / dV of a group are summed in
+// registers. Dense, causal or not; no window, score mods, dropout or determinism yet.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "common/fragment.h"
+#include "common/params.h"
+#include "common/seqinfo.h"
+#include "fa3/fa3_bwd_prep.cuh"
+#include "fa3/fa3_bwd_traits.h"
+#include "fa3/fa3_utils.h"
+
+namespace flash::fa3 {
+
+// The consumers' named barriers around the shared dS tile (ids as fa3_utils.h's).
+enum class BwdBarrier : uint32_t { dSFree = 2, dSFull = 3 };
+
+// A bulk copy of `bytes` (a multiple of 16) from global into shared memory, counted on `bar`.
+__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      ::"r"(cute::cast_smem_ptr_to_uint(smem)), "l"(gmem), "r"(bytes),
+      "r"(cute::cast_smem_ptr_to_uint(bar))
+      : "memory");
+}
+
+template <typename T>
+__device__ __forceinline__ void store2(T* ptr, float a, float b) {
+  if constexpr (std::is_same_v<T, __half>) {
+    *reinterpret_cast<__half2*>(ptr) = __floats2half2_rn(a, b);
+  } else {
+    *reinterpret_cast<__nv_bfloat162*>(ptr) = __floats2bfloat162_rn(a, b);
+  }
+}
+
+// The query tiles [begin, end) that see any key of key tile n_block (bottom-right causal).
+template <class Tr>
+struct BwdSteps {
+  int m_begin, m_end, heads_per_kv;
+  __device__ BwdSteps(const BwdParams& p, int n_block, int seqlen_q, int seqlen_k) {
+    m_end = (seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+    const int first_row = n_block * Tr::kBlockN - (seqlen_k - seqlen_q);  // sees key 0 of the tile
+    m_begin = p.causal ? max(first_row, 0) / Tr::kBlockM : 0;
+    heads_per_kv = p.heads / p.heads_k;
+  }
+  __device__ int count() const { return m_end > m_begin ? heads_per_kv * (m_end - m_begin) : 0; }
+};
+
+template <class Tr, class Tma>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    bwd_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ Tma tma,
+               const BwdScratch s) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Element = typename Tr::Element;
+  using Pipeline = typename Tr::Pipeline;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& shared = *reinterpret_cast<typename Tr::SharedStorage*>(smem_raw);
+  const int wg = cutlass::canonical_warp_group_idx();
+  const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
+  const flash::SeqInfo seq(p, batch);
+  const int seqlen_q = seq.seqlen_q(p), seqlen_k = seq.seqlen_k(p);
+  const BwdSteps<Tr> steps(p, n_block, seqlen_q, seqlen_k);
+
+  typename Pipeline::Params params;
+  params.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = 128 * Tr::kConsumers;
+  params.transaction_bytes = Tr::kTmaBytesQ + Tr::kRowBytes;
+  Pipeline pipe_q(shared.pipe_q, params, Shape<_1, _1, _1>{});
+  Pipeline pipe_do(shared.pipe_do, params, Shape<_1, _1, _1>{});
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemQ{});
+  const int64_t rows_q = s.rows_pad;
+
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    if (threadIdx.x != 0 || steps.count() == 0) return;
+    const int batches = SeqInfo::view_batch(p), batches_k = SeqInfo::view_batch_k(p);
+    Tensor mQ = tma.q.get_tma_tensor(
+        make_shape(SeqInfo::view_rows_q(p), p.head_dim, p.heads, batches));
+    Tensor mdO = tma.dout.get_tma_tensor(
+        make_shape(SeqInfo::view_rows_q(p), p.head_dim, p.heads, batches));
+    Tensor mK = tma.k.get_tma_tensor(
+        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches_k));
+    Tensor mV = tma.v.get_tma_tensor(
+        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches_k));
+    Tensor gK = local_tile(seq.k_rows(p, mK, head_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(n_block, 0));
+    Tensor gV = local_tile(seq.k_rows(p, mV, head_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(n_block, 0));
+    auto [tKg, tKs] = tma_partition(tma.k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));
+    auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(gV));
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.kv_full,
+                                                                   2 * Tr::kTmaBytesKV);
+    copy(tma.k.with(shared.kv_full), tKg, tKs);
+    copy(tma.v.with(shared.kv_full), tVg, tVs);
+    auto state = cutlass::make_producer_start_state<Pipeline>();
+    #pragma unroll 1
+    for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
+      const int head = head_k * steps.heads_per_kv + hq;
+      Tensor gQ = local_tile(seq.q_rows(p, mQ, head), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(_, 0));
+      Tensor gdO = local_tile(seq.q_rows(p, mdO, head), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                              make_coord(_, 0));
+      auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
+      auto [tdOg, tdOs] = tma_partition(tma.dout, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q;
+      #pragma unroll 1
+      for (int m = steps.m_begin; m < steps.m_end; ++m) {
+        pipe_q.producer_acquire(state);
+        uint64_t* bar_q = pipe_q.producer_get_barrier(state);
+        copy(tma.q.with(*bar_q), tQg(_, m), tQs(_, state.index()));
+        bulk_load(shared.lse[state.index()], s.lse2 + row0 + m * kBlockM, Tr::kRowBytes, bar_q);
+        pipe_do.producer_acquire(state);
+        uint64_t* bar_do = pipe_do.producer_get_barrier(state);
+        copy(tma.dout.with(*bar_do), tdOg(_, m), tdOs(_, state.index()));
+        bulk_load(shared.dsum[state.index()], s.dsum + row0 + m * kBlockM, Tr::kRowBytes,
+                  bar_do);
+        ++state;
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
+  const int cw = wg - 1;  // keys [64 cw, 64 cw + 64) of the tile
+  const int wg_tid = threadIdx.x % 128;
+  typename Tr::MmaSt mma_st;
+  typename Tr::MmaKV mma_kv;
+  typename Tr::MmadQ mma_dq;
+  auto thr_st = mma_st.get_thread_slice(wg_tid);
+  auto thr_kv = mma_kv.get_thread_slice(wg_tid);
+  auto thr_dq = mma_dq.get_thread_slice(wg_tid);
+  Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Tr::SmemdSt{});
+  Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Tr::SmemdS{});
+
+  Tensor sK_wg = local_tile(sK, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
+  Tensor sV_wg = local_tile(sV, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
+  Tensor tSrK = thr_st.partition_fragment_A(sK_wg);    // (MMA, M, K)
+  Tensor tSrQ = thr_st.partition_fragment_B(sQ);       // (MMA, N, K, stage)
+  Tensor tdPrV = thr_st.partition_fragment_A(sV_wg);
+  Tensor tdPrdO = thr_st.partition_fragment_B(sdO);
+  Tensor tdVrdO = thr_kv.partition_fragment_B(sdOt);   // (MMA, N, K, stage)
+  Tensor tdKrQ = thr_kv.partition_fragment_B(sQt);
+  Tensor sKt_c = local_tile(sKt, Shape<Int<kHeadDim / 2>, Int<kBlockN>>{}, make_coord(cw, 0));
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, M, K)
+  Tensor tdQrK = thr_dq.partition_fragment_B(sKt_c);   // (MMA, N, K)
+  Tensor sdSt_wg = local_tile(sdSt, Shape<_64, Int<kBlockM>>{}, make_coord(cw, 0));
+  Tensor tdSsdS = thr_st.partition_C(sdSt_wg);         // where this thread's dS^T goes
+
+  Tensor acc_dk = partition_fragment_C(mma_kv, Shape<_64, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_kv, Shape<_64, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  Tensor cS = thr_st.partition_C(make_identity_tensor(Shape<_64, Int<kBlockM>>{}));  // (key, row)
+  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim / 2>>{}));
+  const int key0 = n_block * kBlockN + 64 * cw;
+  const int diag = seqlen_k - seqlen_q;  // key j is visible from row i iff j <= i + diag (causal)
+
+  if (steps.count() > 0) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
+    typename Tr::PipelineState state;
+    #pragma unroll 1
+    for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
+      const int head = head_k * steps.heads_per_kv + hq;
+      const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q;
+      #pragma unroll 1
+      for (int m = steps.m_begin; m < steps.m_end; ++m) {
+        const int stage = state.index();
+        Tensor acc_s = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
+        Tensor acc_dp = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
+        pipe_q.consumer_wait(state);
+        wgmma(mma_st, tSrK, tSrQ(_, _, _, stage), acc_s, true);
+        pipe_do.consumer_wait(state);
+        wgmma(mma_st, tdPrV, tdPrdO(_, _, _, stage), acc_dp, true);
+        warpgroup_wait<1>();
+        const float* lse = shared.lse[stage];
+        const bool masked = key0 + 64 > seqlen_k || (p.causal && key0 + 63 > m * kBlockM + diag);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) {
+          const int key = key0 + get<0>(cS(i)), r = get<1>(cS(i));
+          float pv = exp2f(acc_s(i) * p.softmax_scale_log2 - lse[r]);
+          if (masked && (key >= seqlen_k || (p.causal && key > m * kBlockM + r + diag))) pv = 0.f;
+          acc_s(i) = pv;
+        }
+        warpgroup_wait<0>();
+        const float* dsum = shared.dsum[stage];
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dp); ++i) {
+          acc_dp(i) = acc_s(i) * (acc_dp(i) - dsum[get<1>(cS(i))]);
+        }
+        Tensor rP = flash::convert_fragment<Element>(acc_s);
+        Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+        wgmma(mma_kv, tdVrP, tdVrdO(_, _, _, stage), acc_dv, false);
+        Tensor rdS = flash::convert_fragment<Element>(acc_dp);
+        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
+        wgmma(mma_kv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk, false);
+        // dS^T into shared memory once both consumers' last dQ GEMMs have read it.
+        cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFree));
+        CUTE_UNROLL
+        for (int i = 0; i < size(rdS); ++i) tdSsdS(i) = rdS(i);
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim / 2>>{});
+        wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
+        warpgroup_wait<0>();
+        pipe_q.consumer_release(state);
+        pipe_do.consumer_release(state);
+        ++state;
+        float* dq = s.dq + (row0 + m * kBlockM) * kHeadDim + cw * (kHeadDim / 2);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); i += 2) {
+          const int r = get<0>(cdQ(i)), c = get<1>(cdQ(i));
+          atomicAdd(reinterpret_cast<float2*>(dq + r * kHeadDim + c),
+                    make_float2(acc_dq(i), acc_dq(i + 1)));
+        }
+      }
+    }
+  }
+
+  // dK (times softmax_scale) and dV of this consumer's keys below seqlen_k.
+  Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+  using Raw = typename Tr::Raw;
+  Raw* dk = static_cast<Raw*>(p.dk) + seq.dk_offset(p, head_k);
+  Raw* dv = static_cast<Raw*>(p.dv) + seq.dv_offset(p, head_k);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); i += 2) {
+    const int key = key0 + get<0>(cKV(i)), c = get<1>(cKV(i));
+    if (key < seq.rows_k(p) && c < p.head_dim) {
+      store2(dk + int64_t(key) * p.dk_strides.row + c, acc_dk(i) * p.softmax_scale,
+             acc_dk(i + 1) * p.softmax_scale);
+      store2(dv + int64_t(key) * p.dv_strides.row + c, acc_dv(i), acc_dv(i + 1));
+    }
+  }
+#endif
+}
+
+}  // namespace flash::fa3
