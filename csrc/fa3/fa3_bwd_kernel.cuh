@@ -234,6 +234,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim / 2>>{});
         wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
         warpgroup_wait<0>();
+        // rP and rdS are read by the dV / dK WGMMAs until this wait: their registers must not
+        // be given to acc_dq before it (the compiler does not know the asynchronous reads).
+        warpgroup_fence_operand(rP);
+        warpgroup_fence_operand(rdS);
         pipe_q.consumer_release(state);
         pipe_do.consumer_release(state);
         ++state;
