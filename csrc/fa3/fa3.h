@@ -1,10 +1,12 @@
 // FA3 entry points: what the API layer calls, the same host interface as every family's:
-//   fwd_unsupported(params)            why this family cannot run the call, nullptr if it can
-//   plan_fwd(params, hdim, tuning)     the call's plan (fa3_plan.h), with its workspace_bytes
-//   run_fwd<T, hdim>(params, plan, s)  the launch; params.workspace holds the plan's bytes
-// Forward only (its gradient is FA2's backward, which shares the O and LSE conventions); every
-// FwdParams feature but dropout. sm_90a machine code: the kernels are empty in any other
-// compilation.
+//   fwd_unsupported(params) / bwd_unsupported   why this family cannot run the call, nullptr
+//                                               if it can
+//   plan_fwd(params, hdim, tuning) / plan_bwd   the call's plan, with its workspace_bytes
+//   run_fwd<T, hdim>(params, plan, s) / run_bwd the launch; params.workspace holds the plan's
+// The forward: every FwdParams feature but dropout. The backward: dense calls at head dim 128,
+// causal or not, GQA (build_matrix's fa3 entry); the frontend gives other gradients of its
+// forward to FA2's backward, which shares the O and LSE conventions. sm_90a machine code: the
+// kernels are empty in any other compilation.
 #pragma once
 
 #include <cuda_runtime.h>
