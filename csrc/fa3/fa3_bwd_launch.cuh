@@ -39,10 +39,8 @@ inline BwdScratch bwd_scratch(const BwdParams& p, int kernel_hdim) {
 
 template <typename T, int kHeadDim>
 void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
-  if constexpr (kHeadDim != 128) {
-    throw std::runtime_error("flash_attn: fa3 backward: head dim " + std::to_string(kHeadDim) +
-                             " is not implemented yet (head dim 128 only)");
-  } else {
+  static_assert(kHeadDim == 128, "build_matrix lists fa3's backward at head dim 128 only");
+  {
     using Tr = BwdTraits<T, kHeadDim>;
     using Element = typename Tr::Element;
     if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes) {
