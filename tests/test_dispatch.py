@@ -1,8 +1,8 @@
 """The dispatch table: automatic choice per arch, forcing by env var / backend=, and the errors.
 
 Most tests run ``choose`` (pure) against the build matrix (fa1, fa2, fa3; fa3 is sm90 only, and
-its gradient is fa2's backward where fa3's own does not take the call); the rest go through the public functions with
-the CPU stand-in extension (tests/conftest.py).
+its gradient is fa2's backward where fa3's own does not take the call); the rest go through the
+public functions with the CPU stand-in extension (tests/conftest.py).
 """
 
 import dataclasses

@@ -8,10 +8,10 @@ and lse, and whichever backward runs by the rule on dq, dk, dv.
 
 What is covered: every head-dim kernel (64, 96, 128, 192, 256, and the dims they serve), both
 dtypes, full / causal / sliding windows / softcap / ALiBi, MHA / GQA / MQA, seqlen pairs that
-are not multiples of the tiles (128 or 192 query rows, 80-192 keys), rows that see no key; fa3 and
-fa2 agree on the same inputs, forward and backward; logits that jump late in the key walk (the lazy softmax step's
-two fallbacks); grids past 65535 (batch x heads); inputs whose extent-1 dims
-have strides a TMA descriptor would refuse; the automatic choice on sm90 and its fallback for
+are not multiples of the tiles (128 or 192 query rows, 80-192 keys), rows that see no key; fa3
+and fa2 agree on the same inputs, forward and backward; logits that jump late in the key walk
+(the lazy softmax step's two fallbacks); grids past 65535 (batch x heads); inputs whose extent-1
+dims have strides a TMA descriptor would refuse; the automatic choice on sm90 and its fallback for
 dropout.
 """
 
@@ -342,9 +342,11 @@ def test_backward_agrees_with_fa2(b, sq, sk, h, hk, d, causal, dtype):
 
 # ---- 5. layouts and grids ---------------------------------------------------------------------
 
-def test_grid_past_65535_heads():
-    """batch x heads = 70400 > 65535 (the limit of a grid's y and z): the grid is 1-D."""
-    run_case(1100, 16, 16, 64, 64, 64, torch.bfloat16, dict(causal=True))
+@pytest.mark.parametrize("d", [64, 128])
+def test_grid_past_65535_heads(d):
+    """batch x heads = 70400 > 65535 (the limit of a grid's y and z): the grids are 1-D, the
+    forward's and (head dim 128) the backward's."""
+    run_case(1100, 16, 16, 64, 64, d, torch.bfloat16, dict(causal=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

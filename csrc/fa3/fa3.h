@@ -53,7 +53,8 @@ struct BwdPlan {
 
 inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
   constexpr int64_t kRowPad = 64;  // fa3_bwd_prep.cuh: kBwdRowPad
-  const int64_t rows = int64_t(p.batch) * p.heads * ((p.seqlen_q + kRowPad - 1) / kRowPad * kRowPad);
+  const int64_t rows_pad = (p.seqlen_q + kRowPad - 1) / kRowPad * kRowPad;
+  const int64_t rows = int64_t(p.batch) * p.heads * rows_pad;
   BwdPlan plan;
   plan.workspace_bytes = rows * (kernel_hdim + 2) * 4;
   return plan;

@@ -71,7 +71,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Tr::SharedStorage*>(smem_raw);
   const int wg = cutlass::canonical_warp_group_idx();
-  const int n_block = blockIdx.x, head_k = blockIdx.y, batch = blockIdx.z;
+  // A 1-D grid (batch x heads_k may pass 65535, a grid's y / z limit), key tiles fastest:
+  // neighbouring CTAs read the same Q and dO.
+  const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  const int n_block = int(blockIdx.x % n_blocks);
+  const int head_k = int(blockIdx.x / n_blocks % p.heads_k);
+  const int batch = int(blockIdx.x / n_blocks / p.heads_k);
   const flash::SeqInfo seq(p, batch);
   const int seqlen_q = seq.seqlen_q(p), seqlen_k = seq.seqlen_k(p);
   const BwdSteps<Tr> steps(p, n_block, seqlen_q, seqlen_k);

@@ -82,9 +82,8 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   auto kernel = bwd_kernel<Tr, Tma>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
-  const dim3 grid(unsigned((p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN), unsigned(p.heads_k),
-                  unsigned(p.batch));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, s);
+  const int64_t ctas = (int64_t(p.seqlen_k) + Tr::kBlockN - 1) / Tr::kBlockN * p.heads_k * p.batch;
+  kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, s);
   FLASH_CHECK_LAUNCH();
   bwd_convert_dq_kernel<T, kHeadDim><<<unsigned(prep_blocks), kBwdPrepThreads, 0, stream>>>(p, s);
   FLASH_CHECK_LAUNCH();
