@@ -209,6 +209,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         pipe_do.consumer_wait(state);
         wgmma(mma_st, tdPrV, tdPrdO(_, _, _, stage), acc_dp, true);
         warpgroup_wait<1>();
+        warpgroup_fence_operand(acc_s);  // no read of S above the wait
         const float* lse = shared.lse[stage];
         const bool masked = key0 + 64 > seqlen_k || (p.causal && key0 + 63 > m * kBlockM + diag);
         CUTE_UNROLL
@@ -219,6 +220,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           acc_s(i) = pv;
         }
         warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dp);
         const float* dsum = shared.dsum[stage];
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dp); ++i) {
