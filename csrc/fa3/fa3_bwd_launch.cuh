@@ -89,7 +89,9 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
                     unsigned(p.batch));
     kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, s);
     FLASH_CHECK_LAUNCH();
-    bwd_convert_dq_kernel<T, kHeadDim><<<unsigned(prep_blocks), kBwdPrepThreads, 0, stream>>>(p, s);
+    const int64_t tiles = rows / Tr::kBlockM;
+    const unsigned convert_blocks = unsigned(std::min<int64_t>(tiles, int64_t(std::max(p.num_sms, 1)) * 16));
+    bwd_convert_dq_kernel<Tr><<<convert_blocks, kBwdPrepThreads, 0, stream>>>(p, s);
     FLASH_CHECK_LAUNCH();
   }
 }
