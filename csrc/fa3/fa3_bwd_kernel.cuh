@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (steps.count() > 0) {
     cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
     typename Tr::PipelineState state;
-    // dQ: each step's tile goes to shared buffer buf; consumer thread 0 adds it to the
+    // dQ: each step's tile goes to shared buffer buf; consumer 0's first thread adds it to the
     // accumulator in global memory at the next step's dS barrier (one bulk reduce-add).
     int64_t dq_pending = -1;  // the tile (element offset in s.dq) buffer buf ^ 1 holds, -1: none
     int buf = 0;
@@ -219,6 +219,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         pipe_do.consumer_wait(state);
         wgmma(mma_st, tdPrV, tdPrdO(_, _, _, stage), acc_dp, true);
         warpgroup_wait<1>();
+        warpgroup_fence_operand(acc_s);  // no read of S above the wait
         const float* lse = shared.lse[stage];
         const bool masked = key0 + 64 > seqlen_k || (p.causal && key0 + 63 > m * kBlockM + diag);
         CUTE_UNROLL
@@ -229,6 +230,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           acc_s(i) = pv;
         }
         warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dp);
         const float* dsum = shared.dsum[stage];
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dp); ++i) {

@@ -45,8 +45,11 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   } else {
     using Tr = BwdTraits<T, kHeadDim>;
     using Element = typename Tr::Element;
-    if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes) {
-      throw std::runtime_error("flash_attn: fa3 backward: workspace missing or too small");
+    if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
+        reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) {
+      // 16-byte alignment: the dQ accumulator takes bulk reduce-adds.
+      throw std::runtime_error("flash_attn: fa3 backward: the workspace must hold the plan's "
+                               "workspace_bytes, 16-byte aligned");
     }
     const BwdScratch s = bwd_scratch(p, kHeadDim);
     const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;

@@ -100,6 +100,7 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = typename Tr::Raw;
   constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  pdl_wait();  // the main kernel's adds (a no-op without programmatic launch)
   static_assert(kBwdPrepThreads == 256 && kBwdRowPad == kBlockM);
   const int cw = threadIdx.x / 128, tid = threadIdx.x % 128;
   typename Tr::MmadQ mma_dq;
