@@ -6,7 +6,8 @@
 //     S^T = K Q^T, dP^T = V dO^T           SS WGMMA
 //     P^T = exp2(S^T scale - lse), dS^T = P^T o (dP^T - D)
 //     dV += P^T dO, dK += dS^T Q           RS WGMMA, P^T / dS^T from registers
-//     dS^T to shared memory; dQ[:, half c] = dS K[:, half c]   SS WGMMA, then fp32 atomics
+//     dS^T to shared memory; dQ[:, half c] = dS K[:, half c]   SS WGMMA, staged in shared
+//     memory and added to an fp32 accumulator by one bulk reduce-add a step
 //   and at the end write dK (times softmax_scale) and dV.
 // The steps walk every query head of the KV head's group, so dK / dV of a group are summed in
 // registers. Dense, causal or not; no window, score mods, dropout or determinism yet.
@@ -38,13 +39,21 @@ __device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t
       : "memory");
 }
 
-template <typename T>
-__device__ __forceinline__ void store2(T* ptr, float a, float b) {
-  if constexpr (std::is_same_v<T, __half>) {
-    *reinterpret_cast<__half2*>(ptr) = __floats2half2_rn(a, b);
-  } else {
-    *reinterpret_cast<__nv_bfloat162*>(ptr) = __floats2bfloat162_rn(a, b);
-  }
+// Orders this thread's shared-memory stores before the bulk copies that read them is
+// cutlass::arch::fence_view_async_shared; these issue and wait for one.
+// dst[0, bytes) += src[0, bytes) in fp32, one bulk async-group (16-byte multiples and alignment).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;" ::"l"(dst),
+               "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
+               : "memory");
+}
+// Until this thread's bulk groups have read their shared-memory sources / are complete.
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 // The query tiles [begin, end) that see any key of key tile n_block (bottom-right causal).
@@ -181,20 +190,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, M, K)
   Tensor tdQrK = thr_dq.partition_fragment_B(sKt_c);   // (MMA, N, K)
   Tensor sdSt_wg = local_tile(sdSt, Shape<_64, Int<kBlockM>>{}, make_coord(cw, 0));
-  Tensor tdSsdS = thr_st.partition_C(sdSt_wg);         // where this thread's dS^T goes
+  // dS^T from registers by stmatrix (four 8 x 8 blocks an instruction).
+  auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_st);
+  auto r2s_thr = r2s_ds.get_thread_slice(wg_tid);
+  Tensor tdSsdS = r2s_thr.partition_D(sdSt_wg);
 
   Tensor acc_dk = partition_fragment_C(mma_kv, Shape<_64, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_kv, Shape<_64, Int<kHeadDim>>{});
   clear(acc_dk);
   clear(acc_dv);
   Tensor cS = thr_st.partition_C(make_identity_tensor(Shape<_64, Int<kBlockM>>{}));  // (key, row)
-  Tensor cdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim / 2>>{}));
   const int key0 = n_block * kBlockN + 64 * cw;
   const int diag = seqlen_k - seqlen_q;  // key j is visible from row i iff j <= i + diag (causal)
 
   if (steps.count() > 0) {
     cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
     typename Tr::PipelineState state;
+    // dQ: each step's tile goes to shared buffer buf; consumer 0's first thread adds it to the
+    // accumulator in global memory at the next step's dS barrier (one bulk reduce-add).
+    int64_t dq_pending = -1;  // the tile (element offset in s.dq) buffer buf ^ 1 holds, -1: none
+    int buf = 0;
     #pragma unroll 1
     for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
       const int head = head_k * steps.heads_per_kv + hq;
@@ -234,10 +249,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         wgmma(mma_kv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk, false);
         // dS^T into shared memory once both consumers' last dQ GEMMs have read it.
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFree));
-        CUTE_UNROLL
-        for (int i = 0; i < size(rdS); ++i) tdSsdS(i) = rdS(i);
+        copy(r2s_ds, r2s_thr.retile_S(rdS), tdSsdS);
         cutlass::arch::fence_view_async_shared();
+        // The last step's dQ tile is whole in shared memory once both consumers pass this
+        // barrier; its bulk add before that (the one reading the buffer the last step wrote)
+        // has read its source before any consumer passes it (a free buffer for this step).
+        const bool bulk_now = threadIdx.x == 128 && dq_pending >= 0;
+        if (bulk_now) bulk_wait_read();
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
+        if (bulk_now) bulk_reduce_add(s.dq + dq_pending, shared.dq[buf ^ 1], Tr::kdQBytes);
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim / 2>>{});
         wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
         warpgroup_wait<0>();
@@ -248,14 +268,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         pipe_q.consumer_release(state);
         pipe_do.consumer_release(state);
         ++state;
-        float* dq = s.dq + (row0 + m * kBlockM) * kHeadDim + cw * (kHeadDim / 2);
+        // This step's dQ into buffer buf, in the accumulator's order (dq_tile_index), which the
+        // global accumulator keeps: one bulk add of the whole tile, added at the next barrier.
+        float4* dq_s = reinterpret_cast<float4*>(shared.dq[buf]);
         CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); i += 2) {
-          const int r = get<0>(cdQ(i)), c = get<1>(cdQ(i));
-          atomicAdd(reinterpret_cast<float2*>(dq + r * kHeadDim + c),
-                    make_float2(acc_dq(i), acc_dq(i + 1)));
+        for (int j = 0; j < size(acc_dq) / 4; ++j) {
+          dq_s[j * 256 + 128 * cw + wg_tid] =
+              make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
         }
+        cutlass::arch::fence_view_async_shared();
+        dq_pending = (row0 + m * kBlockM) * kHeadDim;
+        buf ^= 1;
       }
+    }
+    cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
+    if (threadIdx.x == 128) {
+      bulk_reduce_add(s.dq + dq_pending, shared.dq[buf ^ 1], Tr::kdQBytes);
+      bulk_wait();  // done before the CTA's shared memory goes
     }
   }
 

@@ -42,8 +42,11 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   static_assert(kHeadDim == 128, "build_matrix lists fa3's backward at head dim 128 only");
   using Tr = BwdTraits<T, kHeadDim>;
   using Element = typename Tr::Element;
-  if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes) {
-    throw std::runtime_error("flash_attn: fa3 backward: workspace missing or too small");
+  if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
+      reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) {
+    // 16-byte alignment: the dQ accumulator takes bulk reduce-adds.
+    throw std::runtime_error("flash_attn: fa3 backward: the workspace must hold the plan's "
+                             "workspace_bytes, 16-byte aligned");
   }
   const BwdScratch s = bwd_scratch(p, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
@@ -85,7 +88,10 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   const int64_t ctas = (int64_t(p.seqlen_k) + Tr::kBlockN - 1) / Tr::kBlockN * p.heads_k * p.batch;
   kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, s);
   FLASH_CHECK_LAUNCH();
-  bwd_convert_dq_kernel<T, kHeadDim><<<unsigned(prep_blocks), kBwdPrepThreads, 0, stream>>>(p, s);
+  const int64_t tiles = rows / Tr::kBlockM;
+  const unsigned convert_blocks =
+      unsigned(std::min<int64_t>(tiles, int64_t(std::max(p.num_sms, 1)) * 16));
+  bwd_convert_dq_kernel<Tr><<<convert_blocks, kBwdPrepThreads, 0, stream>>>(p, s);
   FLASH_CHECK_LAUNCH();
 }
 

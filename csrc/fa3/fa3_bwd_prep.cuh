@@ -14,6 +14,7 @@
 #include "common/params.h"
 #include "common/pdl.h"
 #include "common/seqinfo.h"
+#include "fa3/fa3_bwd_traits.h"
 
 namespace flash::fa3 {
 
@@ -33,6 +34,15 @@ __device__ __forceinline__ float2 bwd_to_float2(uint32_t packed) {
     return __half22float2(*reinterpret_cast<const __half2*>(&packed));
   } else {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store2(T* ptr, float a, float b) {
+  if constexpr (std::is_same_v<T, __half>) {
+    *reinterpret_cast<__half2*>(ptr) = __floats2half2_rn(a, b);
+  } else {
+    *reinterpret_cast<__nv_bfloat162*>(ptr) = __floats2bfloat162_rn(a, b);
   }
 }
 
@@ -80,29 +90,45 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
 #endif
 }
 
-// dq = softmax_scale * accumulator: one thread per 8 columns of a row.
-template <typename T, int kHeadDim>
+// dq = softmax_scale * accumulator. The accumulator holds each 64-row tile in the order the
+// main kernel stages it for its bulk adds (float4 j of consumer c's thread t at j * 256 +
+// 128 c + t): a block takes a tile, each thread its 32 values, whose (row, column) the dQ
+// MMA's thread layout gives.
+template <class Tr>
 __global__ void __launch_bounds__(kBwdPrepThreads)
     bwd_convert_dq_kernel(const __grid_constant__ BwdParams p, const BwdScratch s) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  pdl_wait();  // the main kernel's adds
-  constexpr int kLanes = kHeadDim / 8, kRowsPerStep = kBwdPrepThreads / kLanes;
-  const int64_t total = int64_t(p.batch) * p.heads * s.rows_pad;
-  const int lane = threadIdx.x % kLanes;
-  for (int64_t row = int64_t(blockIdx.x) * kRowsPerStep + threadIdx.x / kLanes; row < total;
-       row += int64_t(gridDim.x) * kRowsPerStep) {
-    const int64_t bh = row / s.rows_pad;
-    const int r = int(row % s.rows_pad), h = int(bh % p.heads);
+  using T = typename Tr::Raw;
+  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  pdl_wait();  // the main kernel's adds (a no-op without programmatic launch)
+  static_assert(kBwdPrepThreads == 256 && kBwdRowPad == kBlockM);
+  const int cw = threadIdx.x / 128, tid = threadIdx.x % 128;
+  typename Tr::MmadQ mma_dq;
+  Tensor cdQ = mma_dq.get_thread_slice(tid).partition_C(
+      make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim / 2>>{}));
+  static_assert(decltype(size(cdQ))::value % 4 == 0);
+  const int64_t tiles_per_head = s.rows_pad / kBlockM;
+  const int64_t tiles = int64_t(p.batch) * p.heads * tiles_per_head;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t bh = tile / tiles_per_head;
+    const int row0 = int(tile % tiles_per_head) * kBlockM, h = int(bh % p.heads);
     const SeqInfo seq(p, int(bh / p.heads));
-    if (r >= seq.rows_q(p) || lane * 8 >= p.head_dim) continue;
-    const float4* src = reinterpret_cast<const float4*>(s.dq + row * kHeadDim + lane * 8);
-    const float4 a = src[0], b = src[1];
-    const float x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-    alignas(16) T out[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = T(x[j] * p.softmax_scale);
-    *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + seq.dq_offset(p, h) +
-                              r * p.dq_strides.row + lane * 8) = *reinterpret_cast<uint4*>(out);
+    const float4* src = reinterpret_cast<const float4*>(s.dq + tile * kBlockM * kHeadDim);
+    T* dq = static_cast<T*>(p.dq) + seq.dq_offset(p, h);
+    const int rows = seq.rows_q(p);
+    CUTE_UNROLL
+    for (int j = 0; j < size(cdQ) / 4; ++j) {
+      const float4 v = src[j * 256 + threadIdx.x];
+      const float x[4] = {v.x, v.y, v.z, v.w};
+      CUTE_UNROLL
+      for (int e = 0; e < 4; e += 2) {
+        const int r = row0 + get<0>(cdQ(4 * j + e)), c = 64 * cw + get<1>(cdQ(4 * j + e));
+        if (r < rows && c < p.head_dim) {
+          store2(dq + int64_t(r) * p.dq_strides.row + c, x[e] * p.softmax_scale,
+                 x[e + 1] * p.softmax_scale);
+        }
+      }
+    }
   }
 #endif
 }

@@ -61,6 +61,7 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemQ>> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemdSt>> ds;
+    alignas(128) float dq[2][kBlockM * kHeadDim];  // a step's dQ tile, accumulator order
     alignas(16) float lse[kStages][kBlockM];   // the rows' lse in base 2, with Q's stage
     alignas(16) float dsum[kStages][kBlockM];  // D = rowsum(dO o O), with dO's stage
     typename Pipeline::SharedStorage pipe_q, pipe_do;
@@ -70,6 +71,7 @@ struct BwdTraits {
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kRowBytes = kBlockM * sizeof(float);  // lse or D of a tile
+  static constexpr int kdQBytes = kBlockM * kHeadDim * sizeof(float);
 };
 
 }  // namespace flash::fa3
