@@ -323,7 +323,7 @@ def test_backward_family():
     assert M.backward_family("fa3", 100, {"causal", "gqa"}) == "fa3"
     assert M.backward_family("fa3", 96) == "fa2"
     assert M.backward_family("fa3", 192) == "fa2"
-    for feature in ("local", "softcap", "alibi", "varlen"):
+    for feature in ("local", "softcap", "alibi", "varlen", "short_q"):
         assert M.backward_family("fa3", 128, {"causal", feature}) == "fa2"
     assert M.backward_family("fa3", 128, deterministic=True) == "fa2"
     assert M.backward_family("fa2", 512) == "fa2"   # past its head dims: no other to name

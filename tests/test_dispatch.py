@@ -337,8 +337,8 @@ def test_bad_backend_names(monkeypatch):
 
 # ---- through the public functions (CPU stand-in for the extension) ----------------------------
 
-def _qkv(d=64, dtype=torch.float16, h=4, hk=4):
-    return (torch.randn(2, 5, h, d).to(dtype), torch.randn(2, 7, hk, d).to(dtype),
+def _qkv(d=64, dtype=torch.float16, h=4, hk=4, sq=5):
+    return (torch.randn(2, sq, h, d).to(dtype), torch.randn(2, 7, hk, d).to(dtype),
             torch.randn(2, 7, hk, d).to(dtype))
 
 
@@ -392,16 +392,22 @@ def test_dropout_on_sm90_runs_fa2_through_the_call(fake_ext):
 
 
 def test_fa3_gradient_runs_fa3s_backward_where_it_takes_the_call(fake_ext):
-    # Head dim 128, dense, causal or not, GQA: fa3's backward; deterministic=True, a window,
-    # softcap or another head dim: fa2's, on the same O and LSE.
+    # Head dim 128, dense, causal or not, GQA, at least SHORT_Q_ROWS query rows per KV head:
+    # fa3's backward; fewer rows, deterministic=True, a window, softcap or another head dim:
+    # fa2's, on the same O and LSE.
     fake_ext.arch = 90
-    for d, kwargs, bwd in ((128, {}, "fa3"), (128, {"causal": True}, "fa3"),
-                           (120, {}, "fa3"), (128, {"deterministic": True}, "fa2"),
-                           (128, {"window_size": (2, 0)}, "fa2"), (128, {"softcap": 5.0}, "fa2"),
-                           (64, {}, "fa2")):
-        q, k, v = (t.requires_grad_() for t in _qkv(d=d))
+    rows = build_matrix.SHORT_Q_ROWS
+    for d, shape, kwargs, bwd in (
+            (128, dict(sq=rows), {}, "fa3"), (128, dict(sq=rows), {"causal": True}, "fa3"),
+            (120, dict(sq=rows), {}, "fa3"), (128, dict(sq=rows // 4, hk=1), {}, "fa3"),
+            (128, dict(sq=rows - 1), {}, "fa2"), (128, dict(sq=rows // 4 - 1, hk=1), {}, "fa2"),
+            (128, dict(sq=rows), {"deterministic": True}, "fa2"),
+            (128, dict(sq=rows), {"window_size": (2, 0)}, "fa2"),
+            (128, dict(sq=rows), {"softcap": 5.0}, "fa2"), (64, dict(sq=rows), {}, "fa2")):
+        q, k, v = (t.requires_grad_() for t in _qkv(d=d, **shape))
         flash_attn.flash_attn_func(q, k, v, **kwargs).float().sum().backward()
-        assert [c[:2] for c in fake_ext.calls[-2:]] == [("fwd", "fa3"), ("bwd", bwd)], (d, kwargs)
+        assert [c[:2] for c in fake_ext.calls[-2:]] == [("fwd", "fa3"), ("bwd", bwd)], (
+            d, shape, kwargs)
 
 
 def test_training_without_fa2s_backward_on_sm90(fake_ext):

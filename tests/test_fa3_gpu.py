@@ -4,7 +4,9 @@ error-versus-error rule (_gpu_common.py states it): every case runs
 in plain PyTorch at the input precision. The gradient is fa3's backward where it takes the call
 (head dim 97-128, dense, causal or not, GQA; not deterministic) and fa2's backward on fa3's O
 and LSE elsewhere (build_matrix.backward_family). So the forward is checked by the rule on out
-and lse, and whichever backward runs by the rule on dq, dk, dv.
+and lse, and whichever backward runs by the rule on dq, dk, dv. Here fa3's backward takes the
+short calls too (fewer than SHORT_Q_ROWS query rows per KV head, which run fa2's backward by
+default for speed), so that its awkward shapes are its own.
 
 What is covered: every head-dim kernel (64, 96, 128, 192, 256, and the dims they serve), both
 dtypes, full / causal / sliding windows / softcap / ALiBi, MHA / GQA / MQA, seqlen pairs that
@@ -23,7 +25,7 @@ import pytest
 import torch
 
 import flash_attn
-from flash_attn import _dispatch, _ops, build_matrix
+from flash_attn import _dispatch, _ops, _validate, build_matrix
 from conftest import requires_backend
 from _gpu_common import (
     DEVICE, DTYPE_NAMES, assert_agree, attn_args, check, dtype_params, qkv, randn, reference,
@@ -54,6 +56,16 @@ SEQLENS = [(1, 1), (1, 239), (113, 203), (128, 217), (129, 80), (239, 1), (256, 
 # Head dims besides 64 / 128: padded by the frontend to a multiple of 8 and run by the kernel
 # of the next instantiated dim (32, 40, 59 -> 64; 96; 111 -> 128; 160, 192 -> 192; 224, 256).
 OTHER_HEAD_DIMS = [32, 40, 59, 96, 111, 160, 192, 224, 256]
+
+
+@pytest.fixture(autouse=True)
+def _fa3_backward_on_short_calls(monkeypatch):
+    """Calls of every length count as long (no feature short_q), so fa3's own backward takes
+    them; the validated-call memo is emptied around each test, as it holds features."""
+    monkeypatch.setattr(build_matrix, "SHORT_Q_ROWS", 0)
+    _validate._VALID.clear()
+    yield
+    _validate._VALID.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -16,8 +16,8 @@ request): on sm90 a call with dropout runs fa2 ("fa3 does not support dropout_p 
 The family returned is the forward's. Its gradient runs the kernels of
 ``build_matrix.backward_family(family, head_dim, features, deterministic)``: the family's own
 backward where that takes the call, else its bwd_family's (fa3's backward takes dense calls at
-head dim 128, causal or not, not deterministic; its other gradients run fa2's backward, on the
-same O / LSE conventions). A call that needs a backward can run a family only if that backward
+head dim 128, causal or not, not deterministic, with build_matrix.SHORT_Q_ROWS query rows per
+KV head or more; its other gradients run fa2's backward, on the same O / LSE conventions). A call that needs a backward can run a family only if that backward
 family is built, runs on the device and supports the call too.
 
 A family is forced with ``FLASH_ATTN_BACKEND=auto|fa1|fa2|fa3`` (read at call time) or per call
@@ -58,6 +58,7 @@ _FEATURE_TEXT = {
                           f"{build_matrix.PAGE_ROWS}",
     "kvcache": "attention over a KV cache (flash_attn_with_kvcache)",
     "decode": "a KV-cache call with few query rows per KV head (decoding)",
+    "short_q": f"fewer than {build_matrix.SHORT_Q_ROWS} query rows per KV head",
 }
 
 

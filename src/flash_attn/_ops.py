@@ -189,15 +189,15 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, rng_state)
 
 
-def _backward_family(backend, q, k, seqlen_k, causal, window_left, window_right, softcap,
-                     alibi_slopes, dropout_p, deterministic, extra=frozenset()):
+def _backward_family(backend, q, k, seqlen_q, seqlen_k, causal, window_left, window_right,
+                     softcap, alibi_slopes, dropout_p, deterministic, extra=frozenset()):
     """The family whose backward runs: the forward's own where its backward takes the call,
     else the one that computes its gradient on the same O and LSE (fa3's: fa2), as dispatch
     checked at the forward (build_matrix.backward_family, from the same features)."""
     # The op's causal / window as the frontend states them ((-1, 0) is causal, not local).
     causal, window = normalize_window(causal, (window_left, window_right), seqlen_k)
     features = call_features(causal, window, softcap, alibi_slopes is not None, dropout_p,
-                             q.shape[-2], k.shape[-2])
+                             q.shape[-2], k.shape[-2], seqlen_q)
     return build_matrix.backward_family(backend, q.shape[-1], features | extra, deterministic)
 
 
@@ -208,9 +208,9 @@ def _backward_with(bwd_fn, ctx, dout):
     dq, dk, dv = bwd_fn(
         dout, q, k, v, out, lse, rng_state, ctx.softmax_scale, ctx.causal, ctx.window_left,
         ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, ctx.deterministic,
-        _backward_family(ctx.backend, q, k, k.shape[1], ctx.causal, ctx.window_left,
-                         ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p,
-                         ctx.deterministic),
+        _backward_family(ctx.backend, q, k, q.shape[1], k.shape[1], ctx.causal,
+                         ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes,
+                         ctx.dropout_p, ctx.deterministic),
         ctx.tuning)
     # No gradient for the scalars, and none for alibi_slopes (as in flash_attn 2.x).
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
@@ -388,9 +388,10 @@ def _varlen_backward_with(bwd_fn, ctx, dout):
     dq, dk, dv = bwd_fn(dout, q, k, v, out, lse, rng_state, cu_q, cu_k, used_q, used_k, max_q,
                         max_k, softmax_scale, causal, window_left, window_right, softcap,
                         alibi_slopes, ctx.dropout_p, ctx.deterministic,
-                        _backward_family(ctx.backend, q, k, max_k, causal, window_left,
-                                         window_right, softcap, alibi_slopes, ctx.dropout_p,
-                                         ctx.deterministic, frozenset({"varlen"})),
+                        _backward_family(ctx.backend, q, k, max_q, max_k, causal,
+                                         window_left, window_right, softcap, alibi_slopes,
+                                         ctx.dropout_p, ctx.deterministic,
+                                         frozenset({"varlen"})),
                         ctx.tuning)
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 

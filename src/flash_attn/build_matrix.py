@@ -77,7 +77,7 @@ FAMILIES: dict[str, Family] = {
         dtype_min_arch={"fp16": 75, "bf16": 80},
         hdims=(32, 64, 96, 128),
         directions=("fwd", "bwd"),
-        features=frozenset({"causal", "gqa"}),
+        features=frozenset({"causal", "gqa", "short_q"}),
     ),
     # FlashAttention-2: outer loop over Q tiles, O/m/l in registers, one normalisation at the
     # end; the backward walks K/V tiles with dQ accumulated in fp32. CuTe on mma.sync m16n8k16
@@ -90,13 +90,13 @@ FAMILIES: dict[str, Family] = {
         hdims=(32, 64, 96, 128, 192, 256),
         directions=("fwd", "bwd"),
         features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen",
-                            "paged_kv", "paged_kv_unaligned", "kvcache", "decode"}),
+                            "paged_kv", "paged_kv_unaligned", "kvcache", "decode", "short_q"}),
     ),
     # FlashAttention-3 for Hopper: TMA loads by a producer warpgroup, WGMMA in two or three
     # consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its backward
-    # takes dense calls at head dim 128 (causal or not, GQA); other gradients of its forward
-    # run fa2's backward. Dropout is not implemented, nor pages that are not a multiple of 8
-    # rows: such calls run fa2 (visibly).
+    # takes dense calls at head dim 128 (causal or not, GQA) with at least SHORT_Q_ROWS query
+    # rows per KV head; other gradients of its forward run fa2's backward. Dropout is not
+    # implemented, nor pages that are not a multiple of 8 rows: such calls run fa2 (visibly).
     "fa3": Family(
         name="fa3",
         min_arch=90,
@@ -104,7 +104,7 @@ FAMILIES: dict[str, Family] = {
         hdims=(64, 96, 128, 192, 256),
         directions=("fwd", "bwd"),
         features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "varlen", "paged_kv",
-                            "kvcache", "decode"}),
+                            "kvcache", "decode", "short_q"}),
         max_arch=90,
         bwd_family="fa2",
         bwd_hdims=(128,),
@@ -123,6 +123,14 @@ PREFERENCE = ("fa3", "fa2", "fa1")
 # tiles of one query head) would read each KV head's K / V once per query head. Such calls
 # prefer fa2. The limit is fa2's kDecodeMaxRows (csrc/fa2/fa2.h; a test keeps them equal).
 DECODE_MAX_ROWS = 64
+
+# A call with fewer query rows per KV head than this (seqlen_q * nheads / nheads_k) is
+# "short_q". Each CTA of fa3's backward walks that many rows against one key tile, and below
+# about 1k rows its fixed cost a CTA (K / V in, dK / dV out, one CTA an SM) outweighs the
+# walk: on an H100 (bf16, head dim 128, 16k tokens) fa3's backward ran 0.92x (full) / 0.83x
+# (causal) fa2's at 512 rows, 1.10x / 1.00x at 1k, 1.18-1.60x from 2k. Its gradient runs
+# fa2's backward there (fa3's bwd_features lack it); every forward takes it.
+SHORT_Q_ROWS = 1024
 
 # fa3 reads a paged K / V cache as TMA boxes of 8 rows or more within a page, so its pages must
 # be a multiple of this many rows; other pages carry the feature "paged_kv_unaligned", which only
