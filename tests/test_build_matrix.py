@@ -29,11 +29,16 @@ def test_family_is_consistent(name):
     assert f.features <= set(_validate.FEATURES), f.features
     assert {"causal", "gqa"} <= f.features
     assert f.max_arch is None or f.max_arch >= f.min_arch
-    # The backward family computes this one's gradient wherever this one's forward runs: it
-    # has a backward, every feature, dtype and head dim of this family, and the archs.
+    # The backward family computes this one's gradient wherever this one's forward runs and
+    # its own backward does not: it has a backward, every feature, dtype and head dim of this
+    # family, and the archs. A family without a bwd_family takes every call itself.
     assert f.bwd_family is None or f.bwd_family in M.FAMILIES
-    bwd = M.FAMILIES[M.backward_family(name)]
+    bwd = M.FAMILIES[f.bwd_family or name]
     assert "bwd" in bwd.directions
+    assert f.bwd_family is not None or (f.bwd_hdims is None and f.bwd_features is None and
+                                        f.bwd_deterministic)
+    assert set(f.backward_hdims) <= set(f.hdims)
+    assert f.bwd_features is None or f.bwd_features <= f.features
     assert f.features <= bwd.features
     assert set(f.dtype_min_arch) <= set(bwd.dtype_min_arch)
     assert all(bwd.dtype_min_arch[t] <= a for t, a in f.dtype_min_arch.items())
@@ -60,7 +65,8 @@ def test_cxx_types():
 def test_all_configs_is_the_full_product():
     configs = M.all_configs()
     assert configs == sorted(configs)
-    expected = sum(len(f.directions) * len(f.dtype_min_arch) * len(f.hdims) for f in M.FAMILIES.values())
+    expected = sum(len(f.dtype_min_arch) * len(f.backward_hdims if d == "bwd" else f.hdims)
+                   for f in M.FAMILIES.values() for d in f.directions)
     assert len(configs) == len(set(configs)) == expected
     assert M.Config("fa1", "fwd", "bf16", 64).stem == "fa1_fwd_hdim64_bf16"
 
@@ -85,8 +91,9 @@ def test_switches_trim():
     # 192 is fa2's and fa3's.
     assert {c.family for c in M.selected_configs({"FLASH_ATTN_HDIMS": "32"})} == {"fa1", "fa2"}
     assert {c.family for c in M.selected_configs({"FLASH_ATTN_HDIMS": "192"})} == {"fa2", "fa3"}
-    # fa3 alone is forward kernels only: its gradient is fa2's backward.
-    assert {c.direction for c in M.selected_configs({"FLASH_ATTN_FAMILIES": "fa3"})} == {"fwd"}
+    # fa3's backward exists at head dim 128 only; its other gradients are fa2's backward.
+    assert {(c.direction, c.hdim) for c in M.selected_configs({"FLASH_ATTN_FAMILIES": "fa3"})
+            if c.direction == "bwd"} == {("bwd", 128)}
 
 
 @pytest.mark.parametrize("env,pattern", [
@@ -299,19 +306,29 @@ def test_fa3_entry():
     f = M.FAMILIES["fa3"]
     assert (f.min_arch, f.max_arch, dict(f.dtype_min_arch)) == (90, 90, {"fp16": 90, "bf16": 90})
     assert f.hdims == (64, 96, 128, 192, 256)
-    assert f.directions == ("fwd",)
+    assert f.directions == ("fwd", "bwd")
     assert f.features == set(_validate.FEATURES) - {"dropout", "paged_kv_unaligned"}
     assert f.bwd_family == "fa2"
+    assert (f.bwd_hdims, f.bwd_features, f.bwd_deterministic) == (
+        (128,), {"causal", "gqa"}, False)
     assert M.arch_code(f.max_arch) == "90a"    # its kernels need the arch-specific machine code
     assert M.PREFERENCE[0] == "fa3"
 
 
 def test_backward_family():
-    assert M.backward_family("fa1") == "fa1"
-    assert M.backward_family("fa2") == "fa2"
-    assert M.backward_family("fa3") == "fa2"
+    assert M.backward_family("fa1", 64) == "fa1"
+    assert M.backward_family("fa2", 256, {"dropout", "alibi"}, deterministic=True) == "fa2"
+    # fa3's own backward: the forward's head dim-128 kernel (97-128), dense, causal or not, GQA.
+    assert M.backward_family("fa3", 128) == "fa3"
+    assert M.backward_family("fa3", 100, {"causal", "gqa"}) == "fa3"
+    assert M.backward_family("fa3", 96) == "fa2"
+    assert M.backward_family("fa3", 192) == "fa2"
+    for feature in ("local", "softcap", "alibi", "varlen", "short_q"):
+        assert M.backward_family("fa3", 128, {"causal", feature}) == "fa2"
+    assert M.backward_family("fa3", 128, deterministic=True) == "fa2"
+    assert M.backward_family("fa2", 512) == "fa2"   # past its head dims: no other to name
     with pytest.raises(KeyError):
-        M.backward_family("fa9")
+        M.backward_family("fa9", 64)
 
 
 @pytest.mark.parametrize("hdim,kernel", [(1, 32), (8, 32), (32, 32), (33, 64), (72, 96), (96, 96), (120, 128), (128, 128)])
@@ -359,7 +376,8 @@ def test_write_sources(tmp_path):
     assert ("fa2", "bwd", "__nv_bfloat16", "bf16", "128", "80", "0") in rows
     assert ("fa3", "fwd", "__half", "fp16", "64", "90", "90") in rows
     assert ("fa3", "fwd", "__nv_bfloat16", "bf16", "128", "90", "90") in rows
-    assert not any(r[0] == "fa3" and r[1] == "bwd" for r in rows)
+    assert ("fa3", "bwd", "__nv_bfloat16", "bf16", "128", "90", "90") in rows
+    assert not any(r[0] == "fa3" and r[1] == "bwd" and r[4] != "128" for r in rows)
 
 
 def test_write_sources_leaves_unchanged_files_alone(tmp_path):

@@ -1,8 +1,8 @@
 """The dispatch table: automatic choice per arch, forcing by env var / backend=, and the errors.
 
-Most tests run ``choose`` (pure) against the build matrix (fa1, fa2, fa3; fa3 is a forward only,
-sm90 only, and its gradient is fa2's backward); the rest go through the public functions with
-the CPU stand-in extension (tests/conftest.py).
+Most tests run ``choose`` (pure) against the build matrix (fa1, fa2, fa3; fa3 is sm90 only, and
+its gradient is fa2's backward where fa3's own does not take the call); the rest go through the
+public functions with the CPU stand-in extension (tests/conftest.py).
 """
 
 import dataclasses
@@ -94,25 +94,44 @@ def test_fa3_features(no_fallback_warning, feature):
     assert choose(90, "bf16", 256, {"causal", "gqa", feature}, need_bwd=True) == "fa3"
 
 
-def test_training_on_sm90_runs_fa3_with_fa2s_backward(no_fallback_warning):
+def test_training_on_sm90_runs_fa3_with_its_or_fa2s_backward(no_fallback_warning):
     b = built("fa1", "fa2", "fa3")
-    assert not any(c.family == "fa3" and c.direction == "bwd" for c in b)
-    assert D.why_not("fa3", 90, "fp16", 128, (), ("fwd", "bwd"), b) is None
+    assert {c.hdim for c in b if c.family == "fa3" and c.direction == "bwd"} == {128}
+    for hdim in (64, 128):
+        assert D.why_not("fa3", 90, "fp16", hdim, (), ("fwd", "bwd"), b) is None
     assert choose(90, need_bwd=True) == "fa3"
 
 
-def test_fa3_gradient_needs_fa2s_backward_kernels():
-    # fa2's forward kernels only: fa3 can run a forward but not its gradient, nor can fa2.
+def test_fa3_gradient_needs_its_backward_kernels_at_128():
+    # fa3's own backward takes head dim 128 (dense, causal or not, GQA): without fa2's
+    # backward fa3 still trains there, and needs fa2's for the rest.
     b = built("fa1", "fa3") | built("fa2", directions=("fwd",))
     with warnings.catch_warnings():
         warnings.simplefilter("error", D.BackendFallbackWarning)
-        assert D.choose(90, "fp16", 128, (), built=b) == "fa3"
+        assert D.choose(90, "fp16", 128, {"causal", "gqa"}, need_bwd=True, built=b) == "fa3"
+    no_fa3_bwd = frozenset(c for c in b if not (c.family == "fa3" and c.direction == "bwd"))
+    assert "no fa3 bwd kernel for fp16 head dim 128" in \
+        D.why_not("fa3", 90, "fp16", 128, (), ("fwd", "bwd"), no_fa3_bwd)
+    # deterministic=True (or a window, softcap, ALiBi) takes fa2's backward there too.
+    assert "no fa2 bwd kernel (which computes fa3's gradient)" in \
+        D.why_not("fa3", 90, "fp16", 128, (), ("fwd", "bwd"), b, deterministic=True)
+    assert "no fa2 bwd kernel (which computes fa3's gradient)" in \
+        D.why_not("fa3", 90, "fp16", 128, {"softcap"}, ("fwd", "bwd"), b)
+
+
+def test_fa3_gradient_needs_fa2s_backward_kernels():
+    # fa2's forward kernels only: fa3 can run a forward but not its gradient at head dim 64
+    # (fa3's backward is 128 only), nor can fa2.
+    b = built("fa1", "fa3") | built("fa2", directions=("fwd",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", D.BackendFallbackWarning)
+        assert D.choose(90, "fp16", 64, (), built=b) == "fa3"
     no_bwd = (r"this build has no fa2 bwd kernel \(which computes fa3's gradient\) for fp16 "
-              r"head dim 128 \(built: fwd bf16 hdim32, .*\); rebuild with FLASH_ATTN_FAMILIES")
+              r"head dim 64 \(built: fwd bf16 hdim32, .*\); rebuild with FLASH_ATTN_FAMILIES")
     with pytest.warns(D.BackendFallbackWarning, match=r"running fa1 instead of fa3, the preferred family on sm90, because " + no_bwd):
-        assert D.choose(90, "fp16", 128, (), need_bwd=True, built=b) == "fa1"
-    with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call \(sm90, fp16, head dim 128, fwd\+bwd, .*\): " + no_bwd):
-        D.choose(90, "fp16", 128, (), "fa3", need_bwd=True, built=b)
+        assert D.choose(90, "fp16", 64, (), need_bwd=True, built=b) == "fa1"
+    with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call \(sm90, fp16, head dim 64, fwd\+bwd, .*\): " + no_bwd):
+        D.choose(90, "fp16", 64, (), "fa3", need_bwd=True, built=b)
     # Without fa2 at all nothing else runs the call; the error says what fa3 lacks.
     with pytest.raises(NotImplementedError, match=r"fa3: this build has no fa2 bwd kernel \(which computes fa3's gradient\) for bf16 head dim 64 \(built: none\)"):
         D.choose(90, "bf16", 64, (), need_bwd=True, built=built("fa3"))
@@ -318,8 +337,8 @@ def test_bad_backend_names(monkeypatch):
 
 # ---- through the public functions (CPU stand-in for the extension) ----------------------------
 
-def _qkv(d=64, dtype=torch.float16, h=4, hk=4):
-    return (torch.randn(2, 5, h, d).to(dtype), torch.randn(2, 7, hk, d).to(dtype),
+def _qkv(d=64, dtype=torch.float16, h=4, hk=4, sq=5):
+    return (torch.randn(2, sq, h, d).to(dtype), torch.randn(2, 7, hk, d).to(dtype),
             torch.randn(2, 7, hk, d).to(dtype))
 
 
@@ -354,7 +373,7 @@ def test_select_backend_reports_the_calls_choice(fake_ext):
     q.requires_grad_()
     with warnings.catch_warnings():
         warnings.simplefilter("error", D.BackendFallbackWarning)
-        # The forward's family; its gradient runs fa2's backward.
+        # The forward's family; its gradient at head dim 64 runs fa2's backward.
         assert flash_attn.select_backend(q, k, v) == "fa3"
         with torch.no_grad():
             assert flash_attn.select_backend(q, k, v) == "fa3"
@@ -372,9 +391,28 @@ def test_dropout_on_sm90_runs_fa2_through_the_call(fake_ext):
     assert [c[:2] for c in fake_ext.calls] == [("fwd", "fa2"), ("bwd", "fa2")]
 
 
+def test_fa3_gradient_runs_fa3s_backward_where_it_takes_the_call(fake_ext):
+    # Head dim 128, dense, causal or not, GQA, at least SHORT_Q_ROWS query rows per KV head:
+    # fa3's backward; fewer rows, deterministic=True, a window, softcap or another head dim:
+    # fa2's, on the same O and LSE.
+    fake_ext.arch = 90
+    rows = build_matrix.SHORT_Q_ROWS
+    for d, shape, kwargs, bwd in (
+            (128, dict(sq=rows), {}, "fa3"), (128, dict(sq=rows), {"causal": True}, "fa3"),
+            (120, dict(sq=rows), {}, "fa3"), (128, dict(sq=rows // 4, hk=1), {}, "fa3"),
+            (128, dict(sq=rows - 1), {}, "fa2"), (128, dict(sq=rows // 4 - 1, hk=1), {}, "fa2"),
+            (128, dict(sq=rows), {"deterministic": True}, "fa2"),
+            (128, dict(sq=rows), {"window_size": (2, 0)}, "fa2"),
+            (128, dict(sq=rows), {"softcap": 5.0}, "fa2"), (64, dict(sq=rows), {}, "fa2")):
+        q, k, v = (t.requires_grad_() for t in _qkv(d=d, **shape))
+        flash_attn.flash_attn_func(q, k, v, **kwargs).float().sum().backward()
+        assert [c[:2] for c in fake_ext.calls[-2:]] == [("fwd", "fa3"), ("bwd", bwd)], (
+            d, shape, kwargs)
+
+
 def test_training_without_fa2s_backward_on_sm90(fake_ext):
-    # A build with fa3 and fa1 only: fa3 runs inference; training needs fa2's backward for
-    # fa3's gradient, so it runs fa1, visibly; forcing fa3 says what is missing.
+    # A build with fa3 and fa1 only: fa3 runs inference; training at head dim 64 needs fa2's
+    # backward for fa3's gradient, so it runs fa1, visibly; forcing fa3 says what is missing.
     fake_ext.configs = matrix_configs(("fa1", "fa3"))
     fake_ext.arch = 90
     q, k, v = _qkv()

@@ -1,15 +1,19 @@
-"""FA3 (the Hopper forward) on the GPU, through the public API, held to the error-versus-error
-rule (_gpu_common.py states it): every case runs ``flash_attn_func(..., backend='fa3')`` and
-its gradient, which is fa2's backward on fa3's O and LSE, against attention_ref in float64 and
-in plain PyTorch at the input precision. So the forward is checked by the rule on out and lse,
-and the fa3-forward + fa2-backward pairing by the rule on dq, dk, dv.
+"""FA3 (the Hopper forward and backward) on the GPU, through the public API, held to the
+error-versus-error rule (_gpu_common.py states it): every case runs
+``flash_attn_func(..., backend='fa3')`` and its gradient against attention_ref in float64 and
+in plain PyTorch at the input precision. The gradient is fa3's backward where it takes the call
+(head dim 97-128, dense, causal or not, GQA; not deterministic) and fa2's backward on fa3's O
+and LSE elsewhere (build_matrix.backward_family). So the forward is checked by the rule on out
+and lse, and whichever backward runs by the rule on dq, dk, dv. Here fa3's backward takes the
+short calls too (fewer than SHORT_Q_ROWS query rows per KV head, which run fa2's backward by
+default for speed), so that its awkward shapes are its own.
 
 What is covered: every head-dim kernel (64, 96, 128, 192, 256, and the dims they serve), both
 dtypes, full / causal / sliding windows / softcap / ALiBi, MHA / GQA / MQA, seqlen pairs that
-are not multiples of the tiles (128 or 192 query rows, 80-192 keys), rows that see no key; fa3 and
-fa2 agree on the same inputs; logits that jump late in the key walk (the lazy softmax step's
-two fallbacks); grids past 65535 (batch x heads); inputs whose extent-1 dims
-have strides a TMA descriptor would refuse; the automatic choice on sm90 and its fallback for
+are not multiples of the tiles (128 or 192 query rows, 80-192 keys), rows that see no key; fa3
+and fa2 agree on the same inputs, forward and backward; logits that jump late in the key walk
+(the lazy softmax step's two fallbacks); grids past 65535 (batch x heads); inputs whose extent-1
+dims have strides a TMA descriptor would refuse; the automatic choice on sm90 and its fallback for
 dropout.
 """
 
@@ -21,7 +25,7 @@ import pytest
 import torch
 
 import flash_attn
-from flash_attn import _dispatch, _ops
+from flash_attn import _dispatch, _ops, _validate, build_matrix
 from conftest import requires_backend
 from _gpu_common import (
     DEVICE, DTYPE_NAMES, assert_agree, attn_args, check, dtype_params, qkv, randn, reference,
@@ -55,15 +59,29 @@ OTHER_HEAD_DIMS = [32, 40, 59, 96, 111, 160, 192, 224, 256]
 
 
 @pytest.fixture(autouse=True)
+def _fa3_backward_on_short_calls(monkeypatch):
+    """Calls of every length count as long (no feature short_q), so fa3's own backward takes
+    them; the validated-call memo is emptied around each test, as it holds features."""
+    monkeypatch.setattr(build_matrix, "SHORT_Q_ROWS", 0)
+    _validate._VALID.clear()
+    yield
+    _validate._VALID.clear()
+
+
+@pytest.fixture(autouse=True)
 def _seed(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def skip_unless_built(dtype, head_dim):
-    """Skip unless this build has fa3's forward and fa2's backward (fa3's gradient) for it."""
+    """Skip unless this build has fa3's forward and the backwards of fa3's gradient for it:
+    fa2's, and fa3's own where it has the head dim."""
     padded = -(-head_dim // 8) * 8
     built = {(c[0], c[1], c[2]) for c in flash_attn._C.built_configs() if c[3] >= padded}
-    for family, direction in (("fa3", "fwd"), ("fa2", "bwd")):
+    needed = [("fa3", "fwd"), ("fa2", "bwd")]
+    if build_matrix.own_backward("fa3", head_dim):
+        needed.append(("fa3", "bwd"))
+    for family, direction in needed:
         if (family, direction, DTYPE_NAMES[dtype]) not in built:
             pytest.skip(f"this build has no {family} {direction} {DTYPE_NAMES[dtype]} kernel "
                         f"for head dim {head_dim}")
@@ -303,11 +321,44 @@ def test_agrees_with_fa2(d, spec, dtype):
     assert (lse3[finite] - lse2[finite]).abs().max().item() <= 4e-4 * (1 + lse2[finite].abs().max().item())
 
 
+# Issue 35's awkward shapes for the backward: seqlen pairs, GQA ratios 6 and 7.
+BWD_CASES = [(2, 1, 239, 6, 1), (1, 113, 203, 7, 1), (1, 1023, 1024, 6, 6), (2, 239, 1, 4, 4),
+             (1, 777, 1999, 8, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", [120, 128])
+@pytest.mark.parametrize("b,sq,sk,h,hk", BWD_CASES)
+def test_backward_agrees_with_fa2(b, sq, sk, h, hk, d, causal, dtype):
+    """fa3's backward (the gradient of an fa3 forward at head dim 97-128) and fa2's on the same
+    inputs and the same O / LSE: dq, dk, dv within 2 x PyTorch's error (+ ulp) of each other.
+    fa3's own check against the references is test_seqlens / test_gqa_mqa's."""
+    skip_unless_built(dtype, d)
+    assert build_matrix.backward_family("fa3", d, {"causal"} if causal else ()) == "fa3"
+    q, k, v = qkv(b, sq, sk, h, hk, d, dtype)
+    dout = randn(b, sq, h, d, dtype=dtype)
+    out, lse, rng = _ops.run_fwd(q, k, v, d ** -0.5, causal, -1, 0 if causal else -1, 0.0, None,
+                                 0.0, False, "fa3")
+    grads = {}
+    for family in ("fa3", "fa2"):
+        grads[family] = _ops.run_bwd(dout, q, k, v, out, lse, rng, d ** -0.5, causal, -1,
+                                     0 if causal else -1, 0.0, None, 0.0, False, family)
+    spec = dict(causal=causal)
+    truth = reference((q, k, v), lambda *t: t, dout, True, spec)
+    lowp = reference((q, k, v), lambda *t: t, dout, False, spec)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        assert_agree(name, grads["fa3"][i], grads["fa2"][i], truth.grads[i], lowp.grads[i],
+                     dtype)
+
+
 # ---- 5. layouts and grids ---------------------------------------------------------------------
 
-def test_grid_past_65535_heads():
-    """batch x heads = 70400 > 65535 (the limit of a grid's y and z): the grid is 1-D."""
-    run_case(1100, 16, 16, 64, 64, 64, torch.bfloat16, dict(causal=True))
+@pytest.mark.parametrize("d", [64, 128])
+def test_grid_past_65535_heads(d):
+    """batch x heads = 70400 > 65535 (the limit of a grid's y and z): the grids are 1-D, the
+    forward's and (head dim 128) the backward's."""
+    run_case(1100, 16, 16, 64, 64, d, torch.bfloat16, dict(causal=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -341,7 +392,7 @@ def test_default_on_sm90_is_fa3():
         warnings.simplefilter("error", _dispatch.BackendFallbackWarning)
         assert flash_attn.select_backend(q, k, v, causal=True) == "fa3"
         q.requires_grad_()
-        assert flash_attn.select_backend(q, k, v, causal=True) == "fa3"   # + fa2's backward
+        assert flash_attn.select_backend(q, k, v, causal=True) == "fa3"   # + its backward
     with pytest.warns(_dispatch.BackendFallbackWarning, match=r"fa3 does not support dropout"):
         assert flash_attn.select_backend(q, k, v, dropout_p=0.1) == "fa2"
 

@@ -23,7 +23,7 @@ def _varlen_family():
     if not families:
         return None
     name = families[0]
-    owners = (name, build_matrix.backward_family(name))
+    owners = (name, build_matrix.backward_family(name, 64, {"varlen"}))
     return name if all("varlen" in build_matrix.FAMILIES[f].features for f in owners) else None
 
 

@@ -358,7 +358,8 @@ def test_opcheck_fwd_bwd(fake_ext, family, features):
     fake_ext.arch = 90
     q, k, v = _qkv(d=64)
     fwd_args = (q, k, v, 0.125, *features, 0.0, False, family)
-    # Checks the autograd formula too: an fa3 forward's gradient is flash_attn::bwd on "fa2".
+    # Checks the autograd formula too: an fa3 forward's gradient at head dim 64 (or with a
+    # window) is flash_attn::bwd on "fa2".
     torch.library.opcheck(torch.ops.flash_attn.fwd.default, fwd_args)
     # With dropout the forward draws anew each call, so opcheck (which compares calls) sees the
     # backward only, which is a pure function of rng_state.
@@ -367,7 +368,7 @@ def test_opcheck_fwd_bwd(fake_ext, family, features):
         out, lse, rng_state = torch.ops.flash_attn.fwd(q, k, v, 0.125, *features, dropout_p,
                                                        False, family)
     args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, rng_state, 0.125,
-            *features, dropout_p, False, build_matrix.backward_family(family))
+            *features, dropout_p, False, build_matrix.backward_family(family, 64))
     torch.library.opcheck(torch.ops.flash_attn.bwd.default, args)
     torch.library.opcheck(torch.ops.flash_attn.dropout_mask.default,
                           (torch.tensor([7, 8]), 2, 6, 5, 7, 0.25))
@@ -439,31 +440,35 @@ def test_compiled_errors_are_the_eager_ones(fake_ext):
         compiled(q, k, v)
 
 
-# ---- fa3's gradient is fa2's backward ---------------------------------------------------------
+# ---- fa3's gradient: fa3's backward where it takes the call, else fa2's ------------------------
 
-def _fa3_forward(path, q, k, v):
+def _fa3_forward(path, q, k, v, softcap):
     if path == "eager":
-        return flash_attn.flash_attn_func(q, k, v, causal=True, softcap=5.0)
+        return flash_attn.flash_attn_func(q, k, v, causal=True, softcap=softcap)
     if path == "op":
-        return torch.ops.flash_attn.fwd(q, k, v, q.shape[-1] ** -0.5, True, -1, 0, 5.0, None,
-                                        0.0, False, "fa3")[0]
+        return torch.ops.flash_attn.fwd(q, k, v, q.shape[-1] ** -0.5, True, -1, 0, softcap,
+                                        None, 0.0, False, "fa3")[0]
     compiled = torch.compile(lambda q, k, v: flash_attn.flash_attn_func(q, k, v, causal=True,
-                                                                        softcap=5.0),
+                                                                        softcap=softcap),
                              backend="aot_eager", fullgraph=True)
     return compiled(q, k, v)
 
 
 @pytest.mark.parametrize("path", ["eager", "op", "compiled"])
-def test_fa3_gradient_runs_fa2s_backward(fake_ext, path):
-    """On sm90 the forward runs fa3 and its gradient reaches the extension as family "fa2"
-    (the stand-in refuses an fa3 bwd, which the build does not have), with the right values."""
+@pytest.mark.parametrize("d,softcap,sq,bwd", [(64, 5.0, 512, "fa2"), (128, 0.0, 512, "fa3"),
+                                              (128, 0.0, 5, "fa2")])
+def test_fa3_gradient_runs_its_backward_family(fake_ext, path, d, softcap, sq, bwd):
+    """On sm90 the forward runs fa3 and its gradient reaches the extension as fa3's own
+    backward at head dim 128 without a score mod and with SHORT_Q_ROWS query rows per KV head
+    (512 x 3 here), else as family "fa2", with the right values, eagerly, through the op and
+    compiled."""
     fake_ext.arch = 90
-    q, k, v = _qkv(d=64)
-    out = _fa3_forward(path, q, k, v)
+    q, k, v = _qkv(sq=sq, d=d)
+    out = _fa3_forward(path, q, k, v, softcap)
     dout = torch.randn_like(out)
     out.backward(dout)
-    assert [c[:2] for c in fake_ext.calls] == [("fwd", "fa3"), ("bwd", "fa2")]
-    ref, _, inputs = _reference(q, k, v, 64 ** -0.5, True, softcap=5.0)
+    assert [c[:2] for c in fake_ext.calls] == [("fwd", "fa3"), ("bwd", bwd)]
+    ref, _, inputs = _reference(q, k, v, d ** -0.5, True, softcap=softcap)
     ref.backward(dout.float())
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
     for got, want in zip((q, k, v), inputs):

@@ -185,10 +185,13 @@ def test_normalize_window(causal, window, seqlen_k, expected):
 
 
 def test_call_features():
-    assert V.call_features(False, (-1, -1), 0.0, False, 0.0, 8, 8) == frozenset()
-    assert V.call_features(True, (-1, -1), 0.0, False, 0.0, 8, 2) == {"causal", "gqa"}
-    assert V.call_features(False, (4, 4), 30.0, True, 0.1, 8, 8) == {"local", "softcap", "alibi", "dropout"}
-    assert set(V.FEATURES) >= V.call_features(True, (4, 0), 1.0, True, 0.5, 8, 1)
+    assert V.call_features(False, (-1, -1), 0.0, False, 0.0, 8, 8, 1024) == frozenset()
+    assert V.call_features(True, (-1, -1), 0.0, False, 0.0, 8, 2, 256) == {"causal", "gqa"}
+    assert V.call_features(False, (4, 4), 30.0, True, 0.1, 8, 8, 2048) == {"local", "softcap", "alibi", "dropout"}
+    # short_q: fewer than SHORT_Q_ROWS query rows per KV head (seqlen_q x nheads / nheads_k).
+    assert V.call_features(False, (-1, -1), 0.0, False, 0.0, 8, 8, 1023) == {"short_q"}
+    assert V.call_features(False, (-1, -1), 0.0, False, 0.0, 8, 2, 255) == {"gqa", "short_q"}
+    assert set(V.FEATURES) >= V.call_features(True, (4, 0), 1.0, True, 0.5, 8, 1, 1)
 
 
 # ---- the tensor entry point, where it fails before needing a GPU ------------------------------
@@ -234,7 +237,7 @@ def test_entry_point_returns_the_call(fake_ext):
     assert call.shapes == V.Shapes(2, 5, 7, 4, 2, 60)
     assert call.dtype == "fp16" and call.causal and call.window == (-1, -1)
     assert call.softmax_scale == pytest.approx(60 ** -0.5)
-    assert call.features == {"causal", "gqa"}
+    assert call.features == {"causal", "gqa", "short_q"}
 
 
 def test_entry_point_errors(fake_ext):

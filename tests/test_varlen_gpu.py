@@ -40,13 +40,15 @@ def _seed(request):
 
 def skip_unless_varlen(family, dtype, d, directions=("fwd",)):
     for direction in directions:
-        owner = family if direction == "fwd" else build_matrix.backward_family(family)
+        owner = (family if direction == "fwd" else
+                 build_matrix.backward_family(family, d, {"varlen"}))
         if "varlen" not in build_matrix.FAMILIES[owner].features:
             pytest.skip(f"{owner} has no variable-length {direction} kernels in this version")
     if family not in flash_attn.available_backends():
         pytest.skip(f"this build does not run {family} on this GPU")
     for direction in directions:
-        owner = family if direction == "fwd" else build_matrix.backward_family(family)
+        owner = (family if direction == "fwd" else
+                 build_matrix.backward_family(family, d, {"varlen"}))
         skip_unless_built(owner, dtype, d, (direction,))
 
 

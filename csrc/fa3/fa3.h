@@ -1,10 +1,12 @@
 // FA3 entry points: what the API layer calls, the same host interface as every family's:
-//   fwd_unsupported(params)            why this family cannot run the call, nullptr if it can
-//   plan_fwd(params, hdim, tuning)     the call's plan (fa3_plan.h), with its workspace_bytes
-//   run_fwd<T, hdim>(params, plan, s)  the launch; params.workspace holds the plan's bytes
-// Forward only (its gradient is FA2's backward, which shares the O and LSE conventions); every
-// FwdParams feature but dropout. sm_90a machine code: the kernels are empty in any other
-// compilation.
+//   fwd_unsupported(params) / bwd_unsupported   why this family cannot run the call, nullptr
+//                                               if it can
+//   plan_fwd(params, hdim, tuning) / plan_bwd   the call's plan, with its workspace_bytes
+//   run_fwd<T, hdim>(params, plan, s) / run_bwd the launch; params.workspace holds the plan's
+// The forward: every FwdParams feature but dropout. The backward: dense calls at head dim 128,
+// causal or not, GQA (build_matrix's fa3 entry); the frontend gives other gradients of its
+// forward to FA2's backward, which shares the O and LSE conventions. sm_90a machine code: the
+// kernels are empty in any other compilation.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,5 +32,35 @@ inline const char* fwd_unsupported(const FwdParams& p) {
 // Throws std::runtime_error on a launch failure.
 template <typename T, int kHeadDim>
 void run_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream);
+
+// The backward, first form (fa3_bwd_kernel.cuh): dense calls, causal or not, GQA.
+inline const char* bwd_unsupported(const BwdParams& p) {
+  if (p.cu_seqlens_q != nullptr || p.kv_cache) return "fa3's backward takes dense calls only yet";
+  if (p.window_left >= 0 || (p.window_right >= 0 && !p.causal)) {
+    return "fa3's backward has no sliding window yet";
+  }
+  if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
+    return "fa3's backward has no softcap or ALiBi yet";
+  }
+  if (p.dropout_p > 0.f) return "fa3 does not support dropout; fa2 runs it";
+  if (p.deterministic) return "fa3's backward has no deterministic mode yet";
+  return nullptr;
+}
+
+struct BwdPlan {
+  int64_t workspace_bytes = 0;  // dQ accumulator (fp32), lse in base 2, D
+};
+
+inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
+  constexpr int64_t kRowPad = 64;  // fa3_bwd_prep.cuh: kBwdRowPad
+  const int64_t rows_pad = (p.seqlen_q + kRowPad - 1) / kRowPad * kRowPad;
+  const int64_t rows = int64_t(p.batch) * p.heads * rows_pad;
+  BwdPlan plan;
+  plan.workspace_bytes = rows * (kernel_hdim + 2) * 4;
+  return plan;
+}
+
+template <typename T, int kHeadDim>
+void run_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream);
 
 }  // namespace flash::fa3

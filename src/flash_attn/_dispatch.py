@@ -14,10 +14,11 @@ which family runs instead and why, once per distinct (arch, dtype, head dim, fea
 request): on sm90 a call with dropout runs fa2 ("fa3 does not support dropout_p > 0").
 
 The family returned is the forward's. Its gradient runs the kernels of
-``build_matrix.backward_family(family)``: a family's own backward, except fa3, which has only a
-forward and whose gradient is fa2's backward (same O / LSE conventions). A call that needs a
-backward can run a family only if that backward family is built, runs on the device and
-supports the call too.
+``build_matrix.backward_family(family, head_dim, features, deterministic)``: the family's own
+backward where that takes the call, else its bwd_family's (fa3's backward takes dense calls at
+head dim 128, causal or not, not deterministic, with build_matrix.SHORT_Q_ROWS query rows per
+KV head or more; its other gradients run fa2's backward, on the same O / LSE conventions). A call that needs a backward can run a family only if that backward
+family is built, runs on the device and supports the call too.
 
 A family is forced with ``FLASH_ATTN_BACKEND=auto|fa1|fa2|fa3`` (read at call time) or per call
 with ``backend=`` (which wins). A forced family that cannot run the call is an error naming the
@@ -57,6 +58,7 @@ _FEATURE_TEXT = {
                           f"{build_matrix.PAGE_ROWS}",
     "kvcache": "attention over a KV cache (flash_attn_with_kvcache)",
     "decode": "a KV-cache call with few query rows per KV head (decoding)",
+    "short_q": f"fewer than {build_matrix.SHORT_Q_ROWS} query rows per KV head",
 }
 
 
@@ -178,19 +180,22 @@ def requested_backend(backend: Optional[str]) -> Optional[str]:
 
 def why_not(family: str, arch: int, dtype: str, hdim: int, features: Iterable[str],
             directions: Tuple[str, ...], built: frozenset,
-            archs: Iterable[int] = (), ptx: Optional[int] = None) -> Optional[str]:
+            archs: Iterable[int] = (), ptx: Optional[int] = None,
+            deterministic: bool = False) -> Optional[str]:
     """None if ``family`` can run the call, else the reason it cannot. ``directions``: "fwd"
-    and, for a call that needs a gradient, "bwd", which runs the kernels of ``family``'s
-    backward family. ``archs``: the build's target archs (``built_archs()``); empty means
-    unknown, nothing ruled out by them. ``ptx``: the arch whose PTX the build carries
-    (``ptx_arch()``), None for none."""
+    and, for a call that needs a gradient, "bwd", which runs the kernels of the call's
+    backward family (build_matrix.backward_family: ``family``'s own or its bwd_family, by head
+    dim, features and ``deterministic``). ``archs``: the build's target archs
+    (``built_archs()``); empty means unknown, nothing ruled out by them. ``ptx``: the arch
+    whose PTX the build carries (``ptx_arch()``), None for none."""
     if family not in build_matrix.FAMILIES:
         return (f"{family} is not implemented in this version of flash_attn (implemented: "
                 f"{', '.join(sorted(build_matrix.FAMILIES))})")
     features = frozenset(features)
     archs = tuple(archs)
     for direction in directions:
-        owner = family if direction == "fwd" else build_matrix.backward_family(family)
+        owner = (family if direction == "fwd" else
+                 build_matrix.backward_family(family, hdim, features, deterministic))
         reason = _why_not_kernels(owner, direction, family, arch, dtype, hdim, features, built,
                                   archs, ptx)
         if reason is not None:
@@ -268,7 +273,7 @@ def _arch_in(family: build_matrix.Family, arch: int) -> bool:
 def choose(arch: int, dtype: str, hdim: int, features: Iterable[str],
            requested: Optional[str] = None, *, need_bwd: bool = False,
            built: frozenset = frozenset(), archs: Iterable[int] = (),
-           ptx: Optional[int] = None) -> str:
+           ptx: Optional[int] = None, deterministic: bool = False) -> str:
     """The family that runs the call; raises NotImplementedError when none can (or the forced
     one cannot). ``hdim`` is the caller's head dim, before padding to a multiple of 8;
     ``archs`` / ``ptx``: the build's targets, as ``why_not`` takes them."""
@@ -276,8 +281,8 @@ def choose(arch: int, dtype: str, hdim: int, features: Iterable[str],
     directions = ("fwd", "bwd") if need_bwd else ("fwd",)
     archs = tuple(archs)
     order = build_matrix.preference(features)
-    reasons = {f: why_not(f, arch, dtype, hdim, features, directions, built, archs, ptx)
-               for f in order}
+    reasons = {f: why_not(f, arch, dtype, hdim, features, directions, built, archs, ptx,
+                          deterministic) for f in order}
     runnable = [f for f in order if reasons[f] is None]
     what = (f"sm{arch}, {dtype}, head dim {hdim}, {'fwd+bwd' if need_bwd else 'fwd'}, "
             f"features: {', '.join(sorted(features)) or 'none'}")
@@ -327,7 +332,7 @@ _DECISIONS: dict = {}
 
 @torch.compiler.assume_constant_result
 def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Optional[str],
-            need_bwd: bool) -> Tuple[str, str, str]:
+            need_bwd: bool, deterministic: bool = False) -> Tuple[str, str, str]:
     """``choose`` as (family, "", "") or ("", exception name, message), memoised: dynamo turns
     the result into a constant, and an exception raised while it traces would reach the user
     wrapped in a dynamo error, so errors are returned here and raised by traced code. The memo
@@ -335,7 +340,7 @@ def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Op
     call that was decided before costs one lookup: its built configs, archs and PTX are read
     only to decide."""
     key = (sys.modules.get(_ops._EXTENSION), arch, dtype, hdim, features, requested,
-           need_bwd)
+           need_bwd, deterministic)
     decision = _DECISIONS.get(key) if key[0] is not None else None
     if decision is not None:
         return decision
@@ -350,7 +355,8 @@ def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Op
     else:
         try:
             decision = (choose(arch, dtype, hdim, features, requested, need_bwd=need_bwd,
-                               built=built, archs=archs, ptx=ptx), "", "")
+                               built=built, archs=archs, ptx=ptx,
+                               deterministic=deterministic), "", "")
         except NotImplementedError as e:
             decision = ("", "NotImplementedError", str(e))
     _DECISIONS[(_ops.extension(),) + key[1:]] = decision
@@ -360,8 +366,10 @@ def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Op
 _ERRORS = {"RuntimeError": RuntimeError, "NotImplementedError": NotImplementedError}
 
 
-def select(call: Call, device, backend: Optional[str], need_bwd: bool) -> str:
-    """The family for a validated call on ``device`` (traceable by torch.compile)."""
+def select(call: Call, device, backend: Optional[str], need_bwd: bool,
+           deterministic: bool = False) -> str:
+    """The family for a validated call on ``device`` (traceable by torch.compile).
+    ``deterministic``: the call's, which picks the backward family when ``need_bwd``."""
     if torch.version.hip is not None:
         raise RuntimeError("flash_attn's kernels are CUDA-only; this torch is a ROCm build "
                            f"(HIP {torch.version.hip})")
@@ -376,7 +384,8 @@ def select(call: Call, device, backend: Optional[str], need_bwd: bool) -> str:
                 head_dim = padded
                 break
     family, error, message = _decide(arch, call.dtype, head_dim, call.features,
-                                     requested_backend(backend), need_bwd)
+                                     requested_backend(backend), need_bwd,
+                                     bool(deterministic) and need_bwd)
     if error:
         raise _ERRORS[error](message)
     return family

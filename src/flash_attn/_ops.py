@@ -18,6 +18,7 @@ import sys
 import torch
 
 from . import build_matrix   # standard library only: cheap at import time
+from ._validate import call_features, normalize_window
 
 _EXTENSION = "flash_attn._C"
 
@@ -146,7 +147,7 @@ def bwd(dout, q, k, v, out, lse, rng_state, softmax_scale, causal, window_left, 
 def run_bwd(dout, q, k, v, out, lse, rng_state, softmax_scale, causal, window_left, window_right,
             softcap, alibi_slopes, dropout_p, deterministic, backend, tuning=""):
     """flash_attn::bwd's computation, called by the op and by the eager path. ``backend`` is
-    the family whose backward kernels run: fa2 for the gradient of an fa3 forward."""
+    the family whose backward kernels run (build_matrix.backward_family)."""
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     if dq.numel() == 0 or dk.numel() == 0:
         # Nothing attends (no query or no key): every gradient is zero.
@@ -188,16 +189,29 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, rng_state)
 
 
+def _backward_family(backend, q, k, seqlen_q, seqlen_k, causal, window_left, window_right,
+                     softcap, alibi_slopes, dropout_p, deterministic, extra=frozenset()):
+    """The family whose backward runs: the forward's own where its backward takes the call,
+    else the one that computes its gradient on the same O and LSE (fa3's: fa2), as dispatch
+    checked at the forward (build_matrix.backward_family, from the same features)."""
+    # The op's causal / window as the frontend states them ((-1, 0) is causal, not local).
+    causal, window = normalize_window(causal, (window_left, window_right), seqlen_k)
+    features = call_features(causal, window, softcap, alibi_slopes is not None, dropout_p,
+                             q.shape[-2], k.shape[-2], seqlen_q)
+    return build_matrix.backward_family(backend, q.shape[-1], features | extra, deterministic)
+
+
 def _backward_with(bwd_fn, ctx, dout):
     q, k, v, out, lse, rng_state, alibi_slopes = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    # A forward-only family (fa3) has its gradient computed by another family's backward
-    # (fa2), which reads the same O and LSE; dispatch checked that those kernels are built.
     dq, dk, dv = bwd_fn(
         dout, q, k, v, out, lse, rng_state, ctx.softmax_scale, ctx.causal, ctx.window_left,
         ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p, ctx.deterministic,
-        build_matrix.backward_family(ctx.backend), ctx.tuning)
+        _backward_family(ctx.backend, q, k, q.shape[1], k.shape[1], ctx.causal,
+                         ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes,
+                         ctx.dropout_p, ctx.deterministic),
+        ctx.tuning)
     # No gradient for the scalars, and none for alibi_slopes (as in flash_attn 2.x).
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
@@ -374,7 +388,11 @@ def _varlen_backward_with(bwd_fn, ctx, dout):
     dq, dk, dv = bwd_fn(dout, q, k, v, out, lse, rng_state, cu_q, cu_k, used_q, used_k, max_q,
                         max_k, softmax_scale, causal, window_left, window_right, softcap,
                         alibi_slopes, ctx.dropout_p, ctx.deterministic,
-                        build_matrix.backward_family(ctx.backend), ctx.tuning)
+                        _backward_family(ctx.backend, q, k, max_q, max_k, causal,
+                                         window_left, window_right, softcap, alibi_slopes,
+                                         ctx.dropout_p, ctx.deterministic,
+                                         frozenset({"varlen"})),
+                        ctx.tuning)
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 

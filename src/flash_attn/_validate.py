@@ -34,7 +34,7 @@ MIN_ARCH = min(f.min_arch for f in build_matrix.FAMILIES.values())
 KERNEL_DEVICE_TYPE = "cuda"
 
 FEATURES = ("causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen", "paged_kv",
-            "paged_kv_unaligned", "kvcache", "decode")
+            "paged_kv_unaligned", "kvcache", "decode", "short_q")
 
 
 class Shapes(NamedTuple):
@@ -224,11 +224,13 @@ def normalize_window(causal: bool, window: Tuple[int, int],
 
 
 def call_features(causal: bool, window: Tuple[int, int], softcap, has_alibi: bool, dropout_p,
-                  nheads: int, nheads_k: int) -> frozenset:
-    """What a call needs from a family beyond plain attention, in build_matrix's feature names."""
+                  nheads: int, nheads_k: int, seqlen_q: int) -> frozenset:
+    """What a call needs from a family beyond plain attention, in build_matrix's feature names.
+    ``seqlen_q``: a batch's longest query sequence (max_seqlen_q of a variable-length one)."""
     used = (
         ("causal", causal),
         ("gqa", nheads != nheads_k),
+        ("short_q", seqlen_q * (nheads // nheads_k) < build_matrix.SHORT_Q_ROWS),
         ("local", window != (-1, -1)),
         ("softcap", softcap > 0),
         ("alibi", has_alibi),
@@ -317,7 +319,7 @@ def call_options(shapes: Shapes, dtype: str, q_device: torch.device, *, dropout_
     # A window side as long as seqlen_k is unlimited (for every sequence, when it is the max).
     causal, window = normalize_window(bool(causal), window, shapes.seqlen_k)
     features = call_features(causal, window, softcap, alibi_slopes is not None, dropout_p,
-                             shapes.nheads, shapes.nheads_k)
+                             shapes.nheads, shapes.nheads_k, shapes.seqlen_q)
     return Call(shapes, dtype, scale, causal, window, frozenset(features | extra))
 
 

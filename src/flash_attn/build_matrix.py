@@ -51,8 +51,17 @@ class Family:
     # wgmma) are not in the portable PTX, so such a family's kernels are empty there.
     max_arch: int | None = None
     # The family whose backward computes the gradient of this one's forward (same O and LSE
-    # conventions); None: its own.
+    # conventions) where its own backward cannot (below); None: its own everywhere.
     bwd_family: str | None = None
+    # What its own backward takes, where that is less than its forward: the forward kernel
+    # head dims it has a backward for, the features, whether deterministic=True. None: all.
+    bwd_hdims: tuple[int, ...] | None = None
+    bwd_features: frozenset[str] | None = None
+    bwd_deterministic: bool = True
+
+    @property
+    def backward_hdims(self) -> tuple[int, ...]:
+        return self.hdims if self.bwd_hdims is None else self.bwd_hdims
 
     @property
     def max_hdim(self) -> int:
@@ -68,7 +77,7 @@ FAMILIES: dict[str, Family] = {
         dtype_min_arch={"fp16": 75, "bf16": 80},
         hdims=(32, 64, 96, 128),
         directions=("fwd", "bwd"),
-        features=frozenset({"causal", "gqa"}),
+        features=frozenset({"causal", "gqa", "short_q"}),
     ),
     # FlashAttention-2: outer loop over Q tiles, O/m/l in registers, one normalisation at the
     # end; the backward walks K/V tiles with dQ accumulated in fp32. CuTe on mma.sync m16n8k16
@@ -81,22 +90,26 @@ FAMILIES: dict[str, Family] = {
         hdims=(32, 64, 96, 128, 192, 256),
         directions=("fwd", "bwd"),
         features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen",
-                            "paged_kv", "paged_kv_unaligned", "kvcache", "decode"}),
+                            "paged_kv", "paged_kv_unaligned", "kvcache", "decode", "short_q"}),
     ),
-    # FlashAttention-3's forward for Hopper: TMA loads by a producer warpgroup, WGMMA in two or
-    # three consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its
-    # gradient is fa2's backward. Dropout is not implemented, nor pages that are not a multiple
-    # of 8 rows: such calls run fa2 (visibly).
+    # FlashAttention-3 for Hopper: TMA loads by a producer warpgroup, WGMMA in two or three
+    # consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its backward
+    # takes dense calls at head dim 128 (causal or not, GQA) with at least SHORT_Q_ROWS query
+    # rows per KV head; other gradients of its forward run fa2's backward. Dropout is not
+    # implemented, nor pages that are not a multiple of 8 rows: such calls run fa2 (visibly).
     "fa3": Family(
         name="fa3",
         min_arch=90,
         dtype_min_arch={"fp16": 90, "bf16": 90},
         hdims=(64, 96, 128, 192, 256),
-        directions=("fwd",),
+        directions=("fwd", "bwd"),
         features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "varlen", "paged_kv",
-                            "kvcache", "decode"}),
+                            "kvcache", "decode", "short_q"}),
         max_arch=90,
         bwd_family="fa2",
+        bwd_hdims=(128,),
+        bwd_features=frozenset({"causal", "gqa"}),
+        bwd_deterministic=False,
     ),
 }
 
@@ -110,6 +123,14 @@ PREFERENCE = ("fa3", "fa2", "fa1")
 # tiles of one query head) would read each KV head's K / V once per query head. Such calls
 # prefer fa2. The limit is fa2's kDecodeMaxRows (csrc/fa2/fa2.h; a test keeps them equal).
 DECODE_MAX_ROWS = 64
+
+# A call with fewer query rows per KV head than this (seqlen_q * nheads / nheads_k) is
+# "short_q". Each CTA of fa3's backward walks that many rows against one key tile, and below
+# about 1k rows its fixed cost a CTA (K / V in, dK / dV out, one CTA an SM) outweighs the
+# walk: on an H100 (bf16, head dim 128, 16k tokens) fa3's backward ran 0.92x (full) / 0.83x
+# (causal) fa2's at 512 rows, 1.10x / 1.00x at 1k, 1.18-1.60x from 2k. Its gradient runs
+# fa2's backward there (fa3's bwd_features lack it); every forward takes it.
+SHORT_Q_ROWS = 1024
 
 # fa3 reads a paged K / V cache as TMA boxes of 8 rows or more within a page, so its pages must
 # be a multiple of this many rows; other pages carry the feature "paged_kv_unaligned", which only
@@ -149,7 +170,7 @@ def all_configs() -> list[Config]:
         for f in FAMILIES.values()
         for direction in f.directions
         for dtype in f.dtype_min_arch
-        for hdim in f.hdims
+        for hdim in (f.backward_hdims if direction == "bwd" else f.hdims)
     )
 
 
@@ -283,8 +304,26 @@ def supports(family: str, dtype: str, hdim: int, arch: int) -> str | None:
     return None
 
 
-def backward_family(family: str) -> str:
-    """The family whose backward kernels run the gradient of ``family``'s forward."""
+def own_backward(family: str, hdim: int, features: Iterable[str] = (),
+                 deterministic: bool = False) -> bool:
+    """Whether ``family``'s own backward takes the gradient of a call of its forward with this
+    head dim (the caller's), features and determinism."""
+    f = FAMILIES[family]
+    padded = -(-hdim // 8) * 8
+    if "bwd" not in f.directions or padded > f.max_hdim:
+        return False
+    if kernel_hdim(family, padded) not in f.backward_hdims:
+        return False
+    takes = f.features if f.bwd_features is None else f.bwd_features
+    return frozenset(features) <= takes and (f.bwd_deterministic or not deterministic)
+
+
+def backward_family(family: str, hdim: int, features: Iterable[str] = (),
+                    deterministic: bool = False) -> str:
+    """The family whose backward kernels run the gradient of such a call of ``family``'s
+    forward: its own where they take it, else its bwd_family."""
+    if own_backward(family, hdim, features, deterministic):
+        return family
     return FAMILIES[family].bwd_family or family
 
 

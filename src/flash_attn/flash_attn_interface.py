@@ -52,7 +52,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                                    causal=causal, window_size=window_size, softcap=softcap,
                                    alibi_slopes=alibi_slopes, names=names)
     need_bwd = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    family = _dispatch.select(call, q.device, backend, need_bwd)
+    family = _dispatch.select(call, q.device, backend, need_bwd, deterministic)
     # Both validated reals >= 0; * 1.0 turns an int into the float the op's schema takes.
     softcap, dropout_p = softcap * 1.0, dropout_p * 1.0
     if alibi_slopes is not None:
@@ -115,7 +115,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     h // (nheads // nheads_k)). The causal mask aligns to the bottom-right corner. softmax_scale
     defaults to 1 / sqrt(headdim). ``backend`` ('fa1' | 'fa2' | 'fa3' | 'auto' | None) forces a
     kernel family for this call; None defers to FLASH_ATTN_BACKEND, then the automatic choice
-    (sm90: fa3, except with dropout). fa3 is a forward only: its gradient runs fa2's backward.
+    (sm90: fa3, except with dropout). fa3's gradient runs fa3's backward at head dims 97-128
+    without a window, softcap, ALiBi or deterministic=True, with at least 1024 query rows per
+    KV head (seqlen_q * nheads / nheads_k), and fa2's backward elsewhere.
 
     window_size=(left, right): local attention, query i sees keys [i + seqlen_k - seqlen_q -
     left, i + seqlen_k - seqlen_q + right] (-1: unbounded). softcap > 0: scores become
@@ -171,7 +173,9 @@ def select_backend(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, ali
     """The family ``flash_attn_func`` would run the forward of these arguments with ('fa1' /
     'fa2' / 'fa3'), raising the error the call would raise. Counts a backward pass as needed
     when a tensor requires grad, as the call does; that backward runs the same family's
-    kernels, except after fa3, whose gradient is fa2's backward."""
+    kernels, except after fa3 where its backward does not take the call (head dims other
+    than 97-128, window, softcap, ALiBi, variable length, deterministic, fewer than 1024 query
+    rows per KV head): fa2's backward."""
     call = _validate.validate_call(q, k, v, dropout_p=dropout_p, causal=causal,
                                    window_size=window_size, softcap=softcap,
                                    alibi_slopes=alibi_slopes)
@@ -195,7 +199,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         raise NotImplementedError(
             "block_table: attention over a paged K/V cache has no backward (as in flash_attn "
             "2.x); call it under torch.no_grad() or with q, k, v not requiring grad")
-    family = _dispatch.select(call, q.device, backend, need_bwd)
+    family = _dispatch.select(call, q.device, backend, need_bwd, deterministic)
     softcap, dropout_p = softcap * 1.0, dropout_p * 1.0
     q_in, k_in = q, k
     q, softmax_scale = _positive_scale(q, call.softmax_scale)

@@ -1,0 +1,308 @@
+// The FA3 backward kernel, first form: one CTA per (key tile, KV head, batch), three
+// warpgroups:
+//   warpgroup 0, the producer: one thread loads the CTA's K and V once, then each step's Q and
+//     dO tiles (TMA) with their rows' lse and D (bulk copies) into two-stage pipelines;
+//   warpgroups 1-2, the consumers, 64 keys each, per step (kBlockM query rows of one head):
+//     S^T = K Q^T, dP^T = V dO^T           SS WGMMA
+//     P^T = exp2(S^T scale - lse), dS^T = P^T o (dP^T - D)
+//     dV += P^T dO, dK += dS^T Q           RS WGMMA, P^T / dS^T from registers
+//     dS^T to shared memory; dQ[:, half c] = dS K[:, half c]   SS WGMMA, staged in shared
+//     memory and added to an fp32 accumulator by one bulk reduce-add a step
+//   and at the end write dK (times softmax_scale) and dV.
+// The steps walk every query head of the KV head's group, so dK / dV of a group are summed in
+// registers. Dense, causal or not; no window, score mods, dropout or determinism yet.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "common/fragment.h"
+#include "common/params.h"
+#include "common/seqinfo.h"
+#include "fa3/fa3_bwd_prep.cuh"
+#include "fa3/fa3_bwd_traits.h"
+#include "fa3/fa3_utils.h"
+
+namespace flash::fa3 {
+
+// The consumers' named barriers around the shared dS tile (ids as fa3_utils.h's).
+enum class BwdBarrier : uint32_t { dSFree = 2, dSFull = 3 };
+
+// A bulk copy of `bytes` (a multiple of 16) from global into shared memory, counted on `bar`.
+__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      ::"r"(cute::cast_smem_ptr_to_uint(smem)), "l"(gmem), "r"(bytes),
+      "r"(cute::cast_smem_ptr_to_uint(bar))
+      : "memory");
+}
+
+// Orders this thread's shared-memory stores before the bulk copies that read them is
+// cutlass::arch::fence_view_async_shared; these issue and wait for one.
+// dst[0, bytes) += src[0, bytes) in fp32, one bulk async-group (16-byte multiples and alignment).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;" ::"l"(dst),
+               "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
+               : "memory");
+}
+// Until this thread's bulk groups have read their shared-memory sources / are complete.
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// The query tiles [begin, end) that see any key of key tile n_block (bottom-right causal).
+template <class Tr>
+struct BwdSteps {
+  int m_begin, m_end, heads_per_kv;
+  __device__ BwdSteps(const BwdParams& p, int n_block, int seqlen_q, int seqlen_k) {
+    m_end = (seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+    const int first_row = n_block * Tr::kBlockN - (seqlen_k - seqlen_q);  // sees key 0 of the tile
+    m_begin = p.causal ? max(first_row, 0) / Tr::kBlockM : 0;
+    heads_per_kv = p.heads / p.heads_k;
+  }
+  __device__ int count() const { return m_end > m_begin ? heads_per_kv * (m_end - m_begin) : 0; }
+};
+
+template <class Tr, class Tma>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    bwd_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ Tma tma,
+               const BwdScratch s) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Element = typename Tr::Element;
+  using Pipeline = typename Tr::Pipeline;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& shared = *reinterpret_cast<typename Tr::SharedStorage*>(smem_raw);
+  const int wg = cutlass::canonical_warp_group_idx();
+  // A 1-D grid (batch x heads_k may pass 65535, a grid's y / z limit), key tiles fastest:
+  // neighbouring CTAs read the same Q and dO.
+  const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  const int n_block = int(blockIdx.x % n_blocks);
+  const int head_k = int(blockIdx.x / n_blocks % p.heads_k);
+  const int batch = int(blockIdx.x / n_blocks / p.heads_k);
+  const flash::SeqInfo seq(p, batch);
+  const int seqlen_q = seq.seqlen_q(p), seqlen_k = seq.seqlen_k(p);
+  const BwdSteps<Tr> steps(p, n_block, seqlen_q, seqlen_k);
+
+  typename Pipeline::Params params;
+  params.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = 128 * Tr::kConsumers;
+  params.transaction_bytes = Tr::kTmaBytesQ + Tr::kRowBytes;
+  Pipeline pipe_q(shared.pipe_q, params, Shape<_1, _1, _1>{});
+  Pipeline pipe_do(shared.pipe_do, params, Shape<_1, _1, _1>{});
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
+  Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
+  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemQ{});
+  const int64_t rows_q = s.rows_pad;
+
+  if (wg == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    if (threadIdx.x != 0 || steps.count() == 0) return;
+    const int batches = SeqInfo::view_batch(p), batches_k = SeqInfo::view_batch_k(p);
+    Tensor mQ = tma.q.get_tma_tensor(
+        make_shape(SeqInfo::view_rows_q(p), p.head_dim, p.heads, batches));
+    Tensor mdO = tma.dout.get_tma_tensor(
+        make_shape(SeqInfo::view_rows_q(p), p.head_dim, p.heads, batches));
+    Tensor mK = tma.k.get_tma_tensor(
+        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches_k));
+    Tensor mV = tma.v.get_tma_tensor(
+        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches_k));
+    Tensor gK = local_tile(seq.k_rows(p, mK, head_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(n_block, 0));
+    Tensor gV = local_tile(seq.k_rows(p, mV, head_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(n_block, 0));
+    auto [tKg, tKs] = tma_partition(tma.k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));
+    auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(gV));
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.kv_full,
+                                                                   2 * Tr::kTmaBytesKV);
+    copy(tma.k.with(shared.kv_full), tKg, tKs);
+    copy(tma.v.with(shared.kv_full), tVg, tVs);
+    auto state = cutlass::make_producer_start_state<Pipeline>();
+    #pragma unroll 1
+    for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
+      const int head = head_k * steps.heads_per_kv + hq;
+      Tensor gQ = local_tile(seq.q_rows(p, mQ, head), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(_, 0));
+      Tensor gdO = local_tile(seq.q_rows(p, mdO, head), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                              make_coord(_, 0));
+      auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(gQ));
+      auto [tdOg, tdOs] = tma_partition(tma.dout, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q;
+      #pragma unroll 1
+      for (int m = steps.m_begin; m < steps.m_end; ++m) {
+        pipe_q.producer_acquire(state);
+        uint64_t* bar_q = pipe_q.producer_get_barrier(state);
+        copy(tma.q.with(*bar_q), tQg(_, m), tQs(_, state.index()));
+        bulk_load(shared.lse[state.index()], s.lse2 + row0 + m * kBlockM, Tr::kRowBytes, bar_q);
+        pipe_do.producer_acquire(state);
+        uint64_t* bar_do = pipe_do.producer_get_barrier(state);
+        copy(tma.dout.with(*bar_do), tdOg(_, m), tdOs(_, state.index()));
+        bulk_load(shared.dsum[state.index()], s.dsum + row0 + m * kBlockM, Tr::kRowBytes,
+                  bar_do);
+        ++state;
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
+  const int cw = wg - 1;  // keys [64 cw, 64 cw + 64) of the tile
+  const int wg_tid = threadIdx.x % 128;
+  typename Tr::MmaSt mma_st;
+  typename Tr::MmaKV mma_kv;
+  typename Tr::MmadQ mma_dq;
+  auto thr_st = mma_st.get_thread_slice(wg_tid);
+  auto thr_kv = mma_kv.get_thread_slice(wg_tid);
+  auto thr_dq = mma_dq.get_thread_slice(wg_tid);
+  Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemQt{});
+  Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKt{});
+  Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Tr::SmemdSt{});
+  Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Tr::SmemdS{});
+
+  Tensor sK_wg = local_tile(sK, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
+  Tensor sV_wg = local_tile(sV, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
+  Tensor tSrK = thr_st.partition_fragment_A(sK_wg);    // (MMA, M, K)
+  Tensor tSrQ = thr_st.partition_fragment_B(sQ);       // (MMA, N, K, stage)
+  Tensor tdPrV = thr_st.partition_fragment_A(sV_wg);
+  Tensor tdPrdO = thr_st.partition_fragment_B(sdO);
+  Tensor tdVrdO = thr_kv.partition_fragment_B(sdOt);   // (MMA, N, K, stage)
+  Tensor tdKrQ = thr_kv.partition_fragment_B(sQt);
+  Tensor sKt_c = local_tile(sKt, Shape<Int<kHeadDim / 2>, Int<kBlockN>>{}, make_coord(cw, 0));
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, M, K)
+  Tensor tdQrK = thr_dq.partition_fragment_B(sKt_c);   // (MMA, N, K)
+  Tensor sdSt_wg = local_tile(sdSt, Shape<_64, Int<kBlockM>>{}, make_coord(cw, 0));
+  // dS^T from registers by stmatrix (four 8 x 8 blocks an instruction).
+  auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_st);
+  auto r2s_thr = r2s_ds.get_thread_slice(wg_tid);
+  Tensor tdSsdS = r2s_thr.partition_D(sdSt_wg);
+
+  Tensor acc_dk = partition_fragment_C(mma_kv, Shape<_64, Int<kHeadDim>>{});
+  Tensor acc_dv = partition_fragment_C(mma_kv, Shape<_64, Int<kHeadDim>>{});
+  clear(acc_dk);
+  clear(acc_dv);
+  Tensor cS = thr_st.partition_C(make_identity_tensor(Shape<_64, Int<kBlockM>>{}));  // (key, row)
+  const int key0 = n_block * kBlockN + 64 * cw;
+  const int diag = seqlen_k - seqlen_q;  // key j is visible from row i iff j <= i + diag (causal)
+
+  if (steps.count() > 0) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
+    typename Tr::PipelineState state;
+    // dQ: each step's tile goes to shared buffer buf; consumer 0's first thread adds it to the
+    // accumulator in global memory at the next step's dS barrier (one bulk reduce-add).
+    int64_t dq_pending = -1;  // the tile (element offset in s.dq) buffer buf ^ 1 holds, -1: none
+    int buf = 0;
+    #pragma unroll 1
+    for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
+      const int head = head_k * steps.heads_per_kv + hq;
+      const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q;
+      #pragma unroll 1
+      for (int m = steps.m_begin; m < steps.m_end; ++m) {
+        const int stage = state.index();
+        Tensor acc_s = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
+        Tensor acc_dp = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
+        pipe_q.consumer_wait(state);
+        wgmma(mma_st, tSrK, tSrQ(_, _, _, stage), acc_s, true);
+        pipe_do.consumer_wait(state);
+        wgmma(mma_st, tdPrV, tdPrdO(_, _, _, stage), acc_dp, true);
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc_s);  // no read of S above the wait
+        const float* lse = shared.lse[stage];
+        const bool masked = key0 + 64 > seqlen_k || (p.causal && key0 + 63 > m * kBlockM + diag);
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_s); ++i) {
+          const int key = key0 + get<0>(cS(i)), r = get<1>(cS(i));
+          float pv = exp2f(acc_s(i) * p.softmax_scale_log2 - lse[r]);
+          if (masked && (key >= seqlen_k || (p.causal && key > m * kBlockM + r + diag))) pv = 0.f;
+          acc_s(i) = pv;
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_dp);
+        const float* dsum = shared.dsum[stage];
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dp); ++i) {
+          acc_dp(i) = acc_s(i) * (acc_dp(i) - dsum[get<1>(cS(i))]);
+        }
+        Tensor rP = flash::convert_fragment<Element>(acc_s);
+        Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+        wgmma(mma_kv, tdVrP, tdVrdO(_, _, _, stage), acc_dv, false);
+        Tensor rdS = flash::convert_fragment<Element>(acc_dp);
+        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
+        wgmma(mma_kv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk, false);
+        // dS^T into shared memory once both consumers' last dQ GEMMs have read it.
+        cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFree));
+        copy(r2s_ds, r2s_thr.retile_S(rdS), tdSsdS);
+        cutlass::arch::fence_view_async_shared();
+        // The last step's dQ tile is whole in shared memory once both consumers pass this
+        // barrier; its bulk add before that (the one reading the buffer the last step wrote)
+        // has read its source before any consumer passes it (a free buffer for this step).
+        const bool bulk_now = threadIdx.x == 128 && dq_pending >= 0;
+        if (bulk_now) bulk_wait_read();
+        cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
+        if (bulk_now) bulk_reduce_add(s.dq + dq_pending, shared.dq[buf ^ 1], Tr::kdQBytes);
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim / 2>>{});
+        wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
+        warpgroup_wait<0>();
+        // rP and rdS are read by the dV / dK WGMMAs until this wait: their registers must not
+        // be given to acc_dq before it (the compiler does not know the asynchronous reads).
+        warpgroup_fence_operand(rP);
+        warpgroup_fence_operand(rdS);
+        pipe_q.consumer_release(state);
+        pipe_do.consumer_release(state);
+        ++state;
+        // This step's dQ into buffer buf, in the accumulator's order (dq_tile_index), which the
+        // global accumulator keeps: one bulk add of the whole tile, added at the next barrier.
+        float4* dq_s = reinterpret_cast<float4*>(shared.dq[buf]);
+        CUTE_UNROLL
+        for (int j = 0; j < size(acc_dq) / 4; ++j) {
+          dq_s[j * 256 + 128 * cw + wg_tid] =
+              make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
+        }
+        cutlass::arch::fence_view_async_shared();
+        dq_pending = (row0 + m * kBlockM) * kHeadDim;
+        buf ^= 1;
+      }
+    }
+    cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
+    if (threadIdx.x == 128) {
+      bulk_reduce_add(s.dq + dq_pending, shared.dq[buf ^ 1], Tr::kdQBytes);
+      bulk_wait();  // done before the CTA's shared memory goes
+    }
+  }
+
+  // dK (times softmax_scale) and dV of this consumer's keys below seqlen_k.
+  Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+  using Raw = typename Tr::Raw;
+  Raw* dk = static_cast<Raw*>(p.dk) + seq.dk_offset(p, head_k);
+  Raw* dv = static_cast<Raw*>(p.dv) + seq.dv_offset(p, head_k);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dk); i += 2) {
+    const int key = key0 + get<0>(cKV(i)), c = get<1>(cKV(i));
+    if (key < seq.rows_k(p) && c < p.head_dim) {
+      store2(dk + int64_t(key) * p.dk_strides.row + c, acc_dk(i) * p.softmax_scale,
+             acc_dk(i + 1) * p.softmax_scale);
+      store2(dv + int64_t(key) * p.dv_strides.row + c, acc_dv(i), acc_dv(i + 1));
+    }
+  }
+#endif
+}
+
+}  // namespace flash::fa3

@@ -1,0 +1,98 @@
+// FA3 backward launcher: the scratch in the workspace, the preprocess (lse in base 2, D, dQ
+// zeroed), the main kernel over (key tile, KV head, batch) and the dQ conversion. Included by
+// the generated instantiation files only.
+#pragma once
+
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+
+#include <cute/tensor.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "common/check.h"
+#include "common/seqinfo.h"
+#include "fa3/fa3.h"
+#include "fa3/fa3_bwd_kernel.cuh"
+
+namespace flash::fa3 {
+
+template <class Q, class DO, class K, class V>
+struct BwdTma {
+  Q q;
+  DO dout;
+  K k;
+  V v;
+};
+
+inline BwdScratch bwd_scratch(const BwdParams& p, int kernel_hdim) {
+  BwdScratch s;
+  s.rows_pad = (int64_t(p.seqlen_q) + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
+  const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
+  s.dq = static_cast<float*>(p.workspace);
+  s.lse2 = s.dq + rows * kernel_hdim;
+  s.dsum = s.lse2 + rows;
+  return s;
+}
+
+template <typename T, int kHeadDim>
+void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
+  static_assert(kHeadDim == 128, "build_matrix lists fa3's backward at head dim 128 only");
+  using Tr = BwdTraits<T, kHeadDim>;
+  using Element = typename Tr::Element;
+  if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
+      reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) {
+    // 16-byte alignment: the dQ accumulator takes bulk reduce-adds.
+    throw std::runtime_error("flash_attn: fa3 backward: the workspace must hold the plan's "
+                             "workspace_bytes, 16-byte aligned");
+  }
+  const BwdScratch s = bwd_scratch(p, kHeadDim);
+  const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
+  constexpr int kRowsPerStep = kBwdPrepThreads / (kHeadDim / 8);
+  const int64_t prep_blocks = std::min<int64_t>((rows + kRowsPerStep - 1) / kRowsPerStep,
+                                                int64_t(std::max(p.num_sms, 1)) * 16);
+  bwd_prep_kernel<T, kHeadDim><<<unsigned(prep_blocks), kBwdPrepThreads, 0, stream>>>(p, s);
+  FLASH_CHECK_LAUNCH();
+
+  // (seqlen, head_dim, heads, batch) views, strides of extent-1 dims as fa3_fwd_launch.cuh.
+  auto tensor = [&](auto* ptr, const Strides& st, int seqlen, int heads, int batches) {
+    const int64_t row = seqlen > 1 ? st.row : p.head_dim;
+    const int64_t head = heads > 1 ? st.head : row * seqlen;
+    const int64_t batch = batches > 1 ? st.batch : head * heads;
+    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, p.head_dim, heads, batches),
+                       make_stride(row, _1{}, head, batch));
+  };
+  const int rows_q = SeqInfo::view_rows_q(p), rows_k = SeqInfo::view_rows_k(p);
+  const int batches = SeqInfo::view_batch(p), batches_k = SeqInfo::view_batch_k(p);
+  auto q_view = take<0, 2>(typename Tr::SmemQ{});
+  auto kv_view = typename Tr::SmemKV{};
+  auto tma_q = make_tma_copy(SM90_TMA_LOAD{},
+                             tensor(static_cast<const Element*>(p.q), p.q_strides, rows_q,
+                                    p.heads, batches), q_view);
+  auto tma_do = make_tma_copy(SM90_TMA_LOAD{},
+                              tensor(static_cast<const Element*>(p.dout), p.do_strides,
+                                     rows_q, p.heads, batches), q_view);
+  auto tma_k = make_tma_copy(SM90_TMA_LOAD{},
+                             tensor(static_cast<const Element*>(p.k), p.k_strides, rows_k,
+                                    p.heads_k, batches_k), kv_view);
+  auto tma_v = make_tma_copy(SM90_TMA_LOAD{},
+                             tensor(static_cast<const Element*>(p.v), p.v_strides, rows_k,
+                                    p.heads_k, batches_k), kv_view);
+  using Tma = BwdTma<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v)>;
+  const Tma tma{tma_q, tma_do, tma_k, tma_v};
+  auto kernel = bwd_kernel<Tr, Tma>;
+  FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Tr::kSmemBytes));
+  const int64_t ctas = (int64_t(p.seqlen_k) + Tr::kBlockN - 1) / Tr::kBlockN * p.heads_k * p.batch;
+  kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, s);
+  FLASH_CHECK_LAUNCH();
+  const int64_t tiles = rows / Tr::kBlockM;
+  const unsigned convert_blocks =
+      unsigned(std::min<int64_t>(tiles, int64_t(std::max(p.num_sms, 1)) * 16));
+  bwd_convert_dq_kernel<Tr><<<convert_blocks, kBwdPrepThreads, 0, stream>>>(p, s);
+  FLASH_CHECK_LAUNCH();
+}
+
+}  // namespace flash::fa3

@@ -1,0 +1,136 @@
+// The FA3 backward's kernels around the main one. Scratch rows (per batch and head, padded to
+// kBwdRowPad) hold, for the main kernel's unguarded tile loads:
+//   lse2   the forward's lse in base 2; +inf past the sequence (P = 0 there)
+//   dsum   D = rowsum(dO o O); 0 past the sequence
+//   dq     the dQ accumulator (fp32, unscaled), zeroed here, added to by every key tile
+// and the conversion of the accumulator into dq (times softmax_scale, in the output dtype).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/params.h"
+#include "common/pdl.h"
+#include "common/seqinfo.h"
+#include "fa3/fa3_bwd_traits.h"
+
+namespace flash::fa3 {
+
+constexpr int kBwdRowPad = 64;  // BwdTraits::kBlockM
+constexpr int kBwdPrepThreads = 256;
+
+struct BwdScratch {
+  float* lse2;
+  float* dsum;
+  float* dq;
+  int64_t rows_pad;  // per (batch, head)
+};
+
+template <typename T>
+__device__ __forceinline__ float2 bwd_to_float2(uint32_t packed) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&packed));
+  } else {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store2(T* ptr, float a, float b) {
+  if constexpr (std::is_same_v<T, __half>) {
+    *reinterpret_cast<__half2*>(ptr) = __floats2half2_rn(a, b);
+  } else {
+    *reinterpret_cast<__nv_bfloat162*>(ptr) = __floats2bfloat162_rn(a, b);
+  }
+}
+
+// kHeadDim / 8 lanes a row, 16 bytes of dO and O each.
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kBwdPrepThreads)
+    bwd_prep_kernel(const __grid_constant__ BwdParams p, const BwdScratch s) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kLanes = kHeadDim / 8, kRowsPerStep = kBwdPrepThreads / kLanes;
+  static_assert(kLanes <= 32 && 32 % kLanes == 0);
+  const int64_t total = int64_t(p.batch) * p.heads * s.rows_pad;
+  const int lane = threadIdx.x % kLanes;
+  for (int64_t row = int64_t(blockIdx.x) * kRowsPerStep + threadIdx.x / kLanes; row < total;
+       row += int64_t(gridDim.x) * kRowsPerStep) {
+    float4* dq = reinterpret_cast<float4*>(s.dq + row * kHeadDim + lane * 8);
+    dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int64_t bh = row / s.rows_pad;
+    const int r = int(row % s.rows_pad), h = int(bh % p.heads);
+    const SeqInfo seq(p, int(bh / p.heads));
+    const bool live = r < seq.seqlen_q(p);
+    float acc = 0.f;
+    if (live && lane * 8 < p.head_dim) {
+      const uint4 dov = *reinterpret_cast<const uint4*>(
+          static_cast<const T*>(p.dout) + seq.do_offset(p, h) + r * p.do_strides.row + lane * 8);
+      const uint4 ov = *reinterpret_cast<const uint4*>(
+          static_cast<const T*>(p.o) + seq.o_offset(p, h) + r * p.o_strides.row + lane * 8);
+      const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 x = bwd_to_float2<T>(dw[w]), y = bwd_to_float2<T>(ow[w]);
+        acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+      }
+    }
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+      acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    }
+    if (lane == 0) {
+      s.dsum[row] = acc;
+      // lse is +inf for a row that saw no key: P = 0 there as past the sequence.
+      s.lse2[row] = live ? p.lse[seq.lse_offset(p, h) + r] * float(M_LOG2E) : INFINITY;
+    }
+  }
+#endif
+}
+
+// dq = softmax_scale * accumulator. The accumulator holds each 64-row tile in the order the
+// main kernel stages it for its bulk adds (float4 j of consumer c's thread t at j * 256 +
+// 128 c + t): a block takes a tile, each thread its 32 values, whose (row, column) the dQ
+// MMA's thread layout gives.
+template <class Tr>
+__global__ void __launch_bounds__(kBwdPrepThreads)
+    bwd_convert_dq_kernel(const __grid_constant__ BwdParams p, const BwdScratch s) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename Tr::Raw;
+  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  pdl_wait();  // the main kernel's adds (a no-op without programmatic launch)
+  static_assert(kBwdPrepThreads == 256 && kBwdRowPad == kBlockM);
+  const int cw = threadIdx.x / 128, tid = threadIdx.x % 128;
+  typename Tr::MmadQ mma_dq;
+  Tensor cdQ = mma_dq.get_thread_slice(tid).partition_C(
+      make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim / 2>>{}));
+  static_assert(decltype(size(cdQ))::value % 4 == 0);
+  const int64_t tiles_per_head = s.rows_pad / kBlockM;
+  const int64_t tiles = int64_t(p.batch) * p.heads * tiles_per_head;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t bh = tile / tiles_per_head;
+    const int row0 = int(tile % tiles_per_head) * kBlockM, h = int(bh % p.heads);
+    const SeqInfo seq(p, int(bh / p.heads));
+    const float4* src = reinterpret_cast<const float4*>(s.dq + tile * kBlockM * kHeadDim);
+    T* dq = static_cast<T*>(p.dq) + seq.dq_offset(p, h);
+    const int rows = seq.rows_q(p);
+    CUTE_UNROLL
+    for (int j = 0; j < size(cdQ) / 4; ++j) {
+      const float4 v = src[j * 256 + threadIdx.x];
+      const float x[4] = {v.x, v.y, v.z, v.w};
+      CUTE_UNROLL
+      for (int e = 0; e < 4; e += 2) {
+        const int r = row0 + get<0>(cdQ(4 * j + e)), c = 64 * cw + get<1>(cdQ(4 * j + e));
+        if (r < rows && c < p.head_dim) {
+          store2(dq + int64_t(r) * p.dq_strides.row + c, x[e] * p.softmax_scale,
+                 x[e + 1] * p.softmax_scale);
+        }
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace flash::fa3
