@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import _common as C  # noqa: E402
 import benchmark_attn as BA  # noqa: E402
 import benchmark_memory as BM  # noqa: E402
+import benchmark_train as BT  # noqa: E402
 
 META = {"device": "NVIDIA H100 80GB HBM3", "device_short": "H100", "compute_capability": "9.0",
         "sm_count": 132, "memory_bytes": 80 * 2**30, "torch": "2.11.0+cu130", "cuda": "13.0",
@@ -212,6 +213,28 @@ def check_context_lost(tmp: Path) -> None:
         assert r["backend"] == "fa3" or r["error"].startswith("skipped: CUDA context lost"), r
 
 
+def check_train_run(tmp: Path) -> None:
+    """benchmark_train.main on a tiny CPU model: plain attention trains (MHA, and GQA with K / V
+    repeated for it) from a first loss near ln(vocab); an SDPA kernel the CPU lacks is an error
+    row."""
+    losses = []
+    for kv in ("2", "1"):
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = BT.main(["--device", "cpu", "--quick", "--backends", "torch,cudnn", "--layers",
+                            "1", "--hidden", "64", "--heads", "2", "--kv_heads", kv,
+                            "--intermediate", "64", "--vocab", "50", "--seqlen", "32", "--steps",
+                            "2", "--out-dir", str(tmp), "--tag", f"kv{kv}"])
+        assert code == 0
+        report = json.loads((tmp / f"train_CPU_bf16_quick_kv{kv}.json").read_text())
+        rows = {r["backend"]: r for r in report["results"]}
+        assert rows["torch"]["ms"] > 0 and len(rows["torch"]["times_ms"]) == 2, rows
+        assert rows["cudnn"]["error"] and "ms" not in rows["cudnn"], rows
+        losses.append(rows["torch"]["first_loss"])
+        md = (tmp / f"train_CPU_bf16_quick_kv{kv}.md").read_text()
+        assert "| torch |" in md and "1.000x" in md, md
+    assert all(abs(x - 3.9) < 0.5 for x in losses), losses  # ~ln(50) at initialisation
+
+
 def main() -> int:
     check_args()
     check_helpers()
@@ -221,6 +244,7 @@ def main() -> int:
         check_memory_output(Path(d))
         check_cpu_run(Path(d))
         check_context_lost(Path(d))
+        check_train_run(Path(d))
     print("benchmarks selfcheck: ok")
     return 0
 
