@@ -17,8 +17,9 @@ The family returned is the forward's. Its gradient runs the kernels of
 ``build_matrix.backward_family(family, head_dim, features, deterministic)``: the family's own
 backward where that takes the call, else its bwd_family's (fa3's backward takes dense calls at
 head dim 128, causal or not, not deterministic, with build_matrix.SHORT_Q_ROWS query rows per
-KV head or more; its other gradients run fa2's backward, on the same O / LSE conventions). A call that needs a backward can run a family only if that backward
-family is built, runs on the device and supports the call too.
+KV head or more; its other gradients run fa2's backward, on the same O / LSE conventions). A
+call that needs a backward can run a family only if that backward family is built, runs on the
+device and supports the call too.
 
 A family is forced with ``FLASH_ATTN_BACKEND=auto|fa1|fa2|fa3`` (read at call time) or per call
 with ``backend=`` (which wins). A forced family that cannot run the call is an error naming the
