@@ -105,6 +105,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def every_call_long(monkeypatch):
+    """Calls of every length count as long (no feature short_q), so fa3's own backward takes
+    the short shapes of a test too; the validated-call memo is emptied around the test, as it
+    holds features."""
+    monkeypatch.setattr(build_matrix, "SHORT_Q_ROWS", 0)
+    _validate._VALID.clear()
+    yield
+    _validate._VALID.clear()
+
+
+@pytest.fixture
 def cuda_device():
     reason = gpu_skip_reason()
     if reason is not None:

@@ -2,8 +2,8 @@
 error-versus-error rule (_gpu_common.py states it): every case runs
 ``flash_attn_func(..., backend='fa3')`` and its gradient against attention_ref in float64 and
 in plain PyTorch at the input precision. The gradient is fa3's backward where it takes the call
-(head dim 97-128, dense, causal or not, GQA; not deterministic) and fa2's backward on fa3's O
-and LSE elsewhere (build_matrix.backward_family). So the forward is checked by the rule on out
+(head dims up to 64 and 97-128; not deterministic) and fa2's backward on fa3's O and LSE
+elsewhere (build_matrix.backward_family). So the forward is checked by the rule on out
 and lse, and whichever backward runs by the rule on dq, dk, dv. Here fa3's backward takes the
 short calls too (fewer than SHORT_Q_ROWS query rows per KV head, which run fa2's backward by
 default for speed), so that its awkward shapes are its own.
@@ -25,11 +25,11 @@ import pytest
 import torch
 
 import flash_attn
-from flash_attn import _dispatch, _ops, _validate, build_matrix
+from flash_attn import _dispatch, _ops, build_matrix
 from conftest import requires_backend
 from _gpu_common import (
     DEVICE, DTYPE_NAMES, assert_agree, attn_args, check, dtype_params, qkv, randn, reference,
-    visibility,
+    reference_attn, visibility,
 )
 
 pytestmark = requires_backend("fa3")
@@ -59,13 +59,8 @@ OTHER_HEAD_DIMS = [32, 40, 59, 96, 111, 160, 192, 224, 256]
 
 
 @pytest.fixture(autouse=True)
-def _fa3_backward_on_short_calls(monkeypatch):
-    """Calls of every length count as long (no feature short_q), so fa3's own backward takes
-    them; the validated-call memo is emptied around each test, as it holds features."""
-    monkeypatch.setattr(build_matrix, "SHORT_Q_ROWS", 0)
-    _validate._VALID.clear()
-    yield
-    _validate._VALID.clear()
+def _fa3_backward_on_short_calls(every_call_long):
+    """fa3's own backward on every shape (conftest.every_call_long)."""
 
 
 @pytest.fixture(autouse=True)
@@ -226,17 +221,18 @@ def test_window(sq, sk, h, hk, d, window, causal, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq,sk,spec,rows_empty", [
     (300, 64, dict(window_size=(4, 2)), True),     # early rows' windows end before key 0
     (64, 300, dict(window_size=(2, 3)), False),    # most keys are seen by no row
     (150, 40, dict(causal=True), True),            # rows 0..109 see nothing: whole CTAs idle
     (700, 100, dict(causal=True), True),           # the first four query tiles see no key
 ], ids=["rows-before-key-0", "keys-unseen", "causal-sq>sk", "causal-empty-tiles"])
-def test_rows_with_no_key(sq, sk, spec, rows_empty, dtype):
+def test_rows_with_no_key(sq, sk, spec, rows_empty, d, dtype):
     """out 0 and lse +inf on rows that see no key (check() asserts both, and out 0 / dk, dv 0
     where no key / row reaches), including CTAs whose whole query tile sees nothing (their
     producer loads nothing)."""
-    ours = run_case(2, sq, sk, 6, 2, 64, dtype, spec)
+    ours = run_case(2, sq, sk, 6, 2, d, dtype, spec)
     empty = ~visibility(sq, sk, spec).any(1)
     assert bool(empty.any()) == rows_empty
     assert torch.isposinf(ours.lse[:, :, empty]).all()
@@ -328,23 +324,30 @@ BWD_CASES = [(2, 1, 239, 6, 1), (1, 113, 203, 7, 1), (1, 1023, 1024, 6, 6), (2, 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d", [120, 128])
+@pytest.mark.parametrize("mods", [{}, dict(window=(33, 7), softcap=5.0)],
+                         ids=["plain", "window-softcap"])
+@pytest.mark.parametrize("d", [40, 64, 120, 128])
 @pytest.mark.parametrize("b,sq,sk,h,hk", BWD_CASES)
-def test_backward_agrees_with_fa2(b, sq, sk, h, hk, d, causal, dtype):
-    """fa3's backward (the gradient of an fa3 forward at head dim 97-128) and fa2's on the same
-    inputs and the same O / LSE: dq, dk, dv within 2 x PyTorch's error (+ ulp) of each other.
-    fa3's own check against the references is test_seqlens / test_gqa_mqa's."""
+def test_backward_agrees_with_fa2(b, sq, sk, h, hk, d, mods, causal, dtype):
+    """fa3's backward (the gradient of an fa3 forward at head dims up to 64 and 97-128) and
+    fa2's on the same inputs and the same O / LSE: dq, dk, dv within 2 x PyTorch's error
+    (+ ulp) of each other. fa3's own check against the references is the other tests'."""
     skip_unless_built(dtype, d)
     assert build_matrix.backward_family("fa3", d, {"causal"} if causal else ()) == "fa3"
     q, k, v = qkv(b, sq, sk, h, hk, d, dtype)
     dout = randn(b, sq, h, d, dtype=dtype)
-    out, lse, rng = _ops.run_fwd(q, k, v, d ** -0.5, causal, -1, 0 if causal else -1, 0.0, None,
-                                 0.0, False, "fa3")
+    left, right = mods.get("window", (-1, -1))
+    right = 0 if causal else right
+    softcap = mods.get("softcap", 0.0)
+    args = (d ** -0.5, causal, left, right, softcap, None, 0.0, False)
+    out, lse, rng = _ops.run_fwd(q, k, v, *args, "fa3")
     grads = {}
     for family in ("fa3", "fa2"):
-        grads[family] = _ops.run_bwd(dout, q, k, v, out, lse, rng, d ** -0.5, causal, -1,
-                                     0 if causal else -1, 0.0, None, 0.0, False, family)
-    spec = dict(causal=causal)
+        grads[family] = _ops.run_bwd(dout, q, k, v, out, lse, rng, *args[:-1], False, family)
+    spec = dict(causal=causal, softcap=softcap)
+    if "window" in mods:
+        spec["window_size"] = (left, right)
+    spec = reference_attn(spec, q.shape, sk)
     truth = reference((q, k, v), lambda *t: t, dout, True, spec)
     lowp = reference((q, k, v), lambda *t: t, dout, False, spec)
     for i, name in enumerate(("dq", "dk", "dv")):

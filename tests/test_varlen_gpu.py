@@ -34,6 +34,11 @@ RAGGED = ([0, 1, 127, 128, 129, 2049], [5, 0, 128, 129, 300, 2049])
 
 
 @pytest.fixture(autouse=True)
+def _fa3_backward_on_short_calls(every_call_long):
+    """fa3's own backward on the short batches too (conftest.every_call_long)."""
+
+
+@pytest.fixture(autouse=True)
 def _seed(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
@@ -136,9 +141,10 @@ def test_forward_every_head_dim(family, d, causal):
     pytest.param(dict(causal=True, alibi="per-batch"), id="alibi"),
     pytest.param(dict(dropout_p=0.17, causal=True), id="dropout"),
 ])
+@pytest.mark.parametrize("d", [96, 128])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_features(family, attn):
-    dtype, d = torch.bfloat16, 96
+def test_features(family, d, attn):
+    dtype = torch.bfloat16
     skip_unless_varlen(family, dtype, d, ("fwd", "bwd"))
     if "dropout_p" in attn and "dropout" not in build_matrix.FAMILIES[family].features:
         pytest.skip(f"{family} has no dropout")

@@ -27,6 +27,8 @@ struct ScoreMod {
   float alibi_slope = 0.f;       // in score units; 0: no ALiBi
   int shift = 0;                 // seqlen_k - seqlen_q: row i's diagonal key is i + shift
 
+  ScoreMod() = default;  // neither
+
   // For one sequence (common/seqinfo.h): its own diagonal.
   __device__ ScoreMod(const FwdParams& p, const SeqInfo& seq, int head)
       : shift(seq.seqlen_k(p) - seq.seqlen_q(p)) {

@@ -3,10 +3,10 @@
 //                                               if it can
 //   plan_fwd(params, hdim, tuning) / plan_bwd   the call's plan, with its workspace_bytes
 //   run_fwd<T, hdim>(params, plan, s) / run_bwd the launch; params.workspace holds the plan's
-// The forward: every FwdParams feature but dropout. The backward: dense calls at head dim 128,
-// causal or not, GQA (build_matrix's fa3 entry); the frontend gives other gradients of its
-// forward to FA2's backward, which shares the O and LSE conventions. sm_90a machine code: the
-// kernels are empty in any other compilation.
+// The forward: every FwdParams feature but dropout. The backward: head dims 64 and 128, dense
+// and variable-length, every feature but dropout and determinism (build_matrix's fa3 entry);
+// the frontend gives other gradients of its forward to FA2's backward, which shares the O and
+// LSE conventions. sm_90a machine code: the kernels are empty in any other compilation.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,15 +33,10 @@ inline const char* fwd_unsupported(const FwdParams& p) {
 template <typename T, int kHeadDim>
 void run_fwd(const FwdParams& params, const FwdPlan& plan, cudaStream_t stream);
 
-// The backward, first form (fa3_bwd_kernel.cuh): dense calls, causal or not, GQA.
+// The backward (fa3_bwd_kernel.cuh): dense and variable-length calls; causal, window,
+// softcap, ALiBi; GQA.
 inline const char* bwd_unsupported(const BwdParams& p) {
-  if (p.cu_seqlens_q != nullptr || p.kv_cache) return "fa3's backward takes dense calls only yet";
-  if (p.window_left >= 0 || (p.window_right >= 0 && !p.causal)) {
-    return "fa3's backward has no sliding window yet";
-  }
-  if (p.softcap > 0.f || p.alibi_slopes != nullptr) {
-    return "fa3's backward has no softcap or ALiBi yet";
-  }
+  if (p.kv_cache) return "a KV-cache call has no backward";
   if (p.dropout_p > 0.f) return "fa3 does not support dropout; fa2 runs it";
   if (p.deterministic) return "fa3's backward has no deterministic mode yet";
   return nullptr;

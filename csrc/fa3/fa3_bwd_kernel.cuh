@@ -1,5 +1,4 @@
-// The FA3 backward kernel, first form: one CTA per (key tile, KV head, batch), three
-// warpgroups:
+// The FA3 backward kernel: one CTA per (key tile, KV head, batch), three warpgroups:
 //   warpgroup 0, the producer: one thread loads the CTA's K and V once, then each step's Q and
 //     dO tiles (TMA) with their rows' lse and D (bulk copies) into two-stage pipelines;
 //   warpgroups 1-2, the consumers, 64 keys each, per step (kBlockM query rows of one head):
@@ -10,7 +9,8 @@
 //     memory and added to an fp32 accumulator by one bulk reduce-add a step
 //   and at the end write dK (times softmax_scale) and dV.
 // The steps walk every query head of the KV head's group, so dK / dV of a group are summed in
-// registers. Dense, causal or not; no window, score mods, dropout or determinism yet.
+// registers. Dense or variable-length; causal, window, softcap and ALiBi (fa3_bwd_score.h);
+// no dropout or determinism yet.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -18,16 +18,21 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "common/fragment.h"
+#include "common/mask.h"
 #include "common/params.h"
+#include "common/query_tiles.h"
+#include "common/score_mod.h"
 #include "common/seqinfo.h"
 #include "fa3/fa3_bwd_prep.cuh"
+#include "fa3/fa3_bwd_score.h"
 #include "fa3/fa3_bwd_traits.h"
 #include "fa3/fa3_utils.h"
 
 namespace flash::fa3 {
 
 // The consumers' named barriers around the shared dS tile (ids as fa3_utils.h's).
-enum class BwdBarrier : uint32_t { dSFree = 2, dSFull = 3 };
+// Tails: the zeroed tail rows of a tile (below) are in place.
+enum class BwdBarrier : uint32_t { dSFree = 2, dSFull = 3, Tails = 4 };
 
 // A bulk copy of `bytes` (a multiple of 16) from global into shared memory, counted on `bar`.
 __device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes,
@@ -56,20 +61,35 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-// The query tiles [begin, end) that see any key of key tile n_block (bottom-right causal).
+// Rows [from, rows) of a (rows, kHeadDim) shared-memory tile set to 0 by the 256 consumer
+// threads: a variable-length sequence's tile runs into the next sequence's rows, or into rows
+// past seqused that may hold anything (NaN times a zero P is NaN).
+template <class Tensor>
+__device__ __forceinline__ void zero_tail_rows(Tensor&& t, int from, int tid) {
+  constexpr int kCols = decltype(size<1>(t))::value, kRows = decltype(size<0>(t))::value;
+  using Element = typename std::decay_t<Tensor>::value_type;
+  for (int i = max(from, 0) * kCols + tid; i < kRows * kCols; i += 256) {
+    t(i / kCols, i % kCols) = Element(0.f);
+  }
+}
+
+// The query tiles [begin, end) that may see a key of key tile n_block (common/query_tiles.h);
+// none for a tile past the sequence's keys.
 template <class Tr>
 struct BwdSteps {
   int m_begin, m_end, heads_per_kv;
-  __device__ BwdSteps(const BwdParams& p, int n_block, int seqlen_q, int seqlen_k) {
-    m_end = (seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-    const int first_row = n_block * Tr::kBlockN - (seqlen_k - seqlen_q);  // sees key 0 of the tile
-    m_begin = p.causal ? max(first_row, 0) / Tr::kBlockM : 0;
+  __device__ BwdSteps(const BwdParams& p, const Mask& mask, int n_block) {
+    const QueryTiles t = query_tiles<Tr::kBlockM, Tr::kBlockN>(mask, n_block);
+    m_begin = t.begin;
+    m_end = n_block * Tr::kBlockN < mask.seqlen_k ? t.end : 0;
     heads_per_kv = p.heads / p.heads_k;
   }
   __device__ int count() const { return m_end > m_begin ? heads_per_kv * (m_end - m_begin) : 0; }
 };
 
-template <class Tr, class Tma>
+// kScoreMod: softcap or ALiBi may be on (uniform runtime tests); P and dS then come in one
+// pass after both GEMMs, so no fragment of tanh values stays live.
+template <class Tr, class Tma, bool kScoreMod>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ Tma tma,
                const BwdScratch s) {
@@ -88,7 +108,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int batch = int(blockIdx.x / n_blocks / p.heads_k);
   const flash::SeqInfo seq(p, batch);
   const int seqlen_q = seq.seqlen_q(p), seqlen_k = seq.seqlen_k(p);
-  const BwdSteps<Tr> steps(p, n_block, seqlen_q, seqlen_k);
+  const Mask mask(p, seqlen_q, seqlen_k);
+  const BwdSteps<Tr> steps(p, mask, n_block);
 
   typename Pipeline::Params params;
   params.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
@@ -201,10 +222,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   clear(acc_dv);
   Tensor cS = thr_st.partition_C(make_identity_tensor(Shape<_64, Int<kBlockM>>{}));  // (key, row)
   const int key0 = n_block * kBlockN + 64 * cw;
-  const int diag = seqlen_k - seqlen_q;  // key j is visible from row i iff j <= i + diag (causal)
+  const BwdScore score(p, mask);
+  // Dense tiles read zeros past the sequence (TMA fills rows out of bounds); variable-length
+  // ones read other rows, which the consumers zero in shared memory.
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int tid = threadIdx.x - 128;
 
   if (steps.count() > 0) {
     cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
+    if (varlen && (n_block + 1) * kBlockN > seqlen_k) {
+      zero_tail_rows(sK, seqlen_k - n_block * kBlockN, tid);
+      zero_tail_rows(sV, seqlen_k - n_block * kBlockN, tid);
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Tails));
+    }
     typename Tr::PipelineState state;
     // dQ: each step's tile goes to shared buffer buf; consumer 0's first thread adds it to the
     // accumulator in global memory at the next step's dS barrier (one bulk reduce-add).
@@ -214,32 +245,56 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
       const int head = head_k * steps.heads_per_kv + hq;
       const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q;
+      ScoreMod mod;
+      if constexpr (kScoreMod) mod = ScoreMod(p, seq, head);
       #pragma unroll 1
       for (int m = steps.m_begin; m < steps.m_end; ++m) {
         const int stage = state.index();
         Tensor acc_s = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
         pipe_q.consumer_wait(state);
+        if (varlen && (m + 1) * kBlockM > seqlen_q) {
+          pipe_do.consumer_wait(state);
+          zero_tail_rows(sQ(_, _, stage), seqlen_q - m * kBlockM, tid);
+          zero_tail_rows(sdO(_, _, stage), seqlen_q - m * kBlockM, tid);
+          cutlass::arch::fence_view_async_shared();
+          cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Tails));
+        }
         wgmma(mma_st, tSrK, tSrQ(_, _, _, stage), acc_s, true);
         pipe_do.consumer_wait(state);
         wgmma(mma_st, tdPrV, tdPrdO(_, _, _, stage), acc_dp, true);
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(acc_s);  // no read of S above the wait
         const float* lse = shared.lse[stage];
-        const bool masked = key0 + 64 > seqlen_k || (p.causal && key0 + 63 > m * kBlockM + diag);
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_s); ++i) {
-          const int key = key0 + get<0>(cS(i)), r = get<1>(cS(i));
-          float pv = exp2f(acc_s(i) * p.softmax_scale_log2 - lse[r]);
-          if (masked && (key >= seqlen_k || (p.causal && key > m * kBlockM + r + diag))) pv = 0.f;
-          acc_s(i) = pv;
-        }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_dp);
         const float* dsum = shared.dsum[stage];
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dp); ++i) {
-          acc_dp(i) = acc_s(i) * (acc_dp(i) - dsum[get<1>(cS(i))]);
+        const bool masked = score.masked<kBlockM>(key0, m * kBlockM);
+        if constexpr (!kScoreMod) {
+          // P while dP's GEMM runs, then dS.
+          warpgroup_wait<1>();
+          warpgroup_fence_operand(acc_s);  // no read of S above the wait
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_s); ++i) {
+            const int r = get<1>(cS(i));
+            const int key = key0 + get<0>(cS(i));
+            acc_s(i) = score.prob(acc_s(i), key, m * kBlockM + r, lse[r], masked);
+          }
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_dp);
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_dp); ++i) {
+            acc_dp(i) = acc_s(i) * (acc_dp(i) - dsum[get<1>(cS(i))]);
+          }
+        } else {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc_s);
+          warpgroup_fence_operand(acc_dp);
+          CUTE_UNROLL
+          for (int i = 0; i < size(acc_s); ++i) {
+            const int r = get<1>(cS(i));
+            float dtanh;
+            const float pv = score.prob(acc_s(i), key0 + get<0>(cS(i)), m * kBlockM + r, lse[r],
+                                        masked, mod, dtanh);
+            acc_s(i) = pv;
+            acc_dp(i) = pv * (acc_dp(i) - dsum[r]) * dtanh;
+          }
         }
         Tensor rP = flash::convert_fragment<Element>(acc_s);
         Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));

@@ -39,7 +39,8 @@ inline BwdScratch bwd_scratch(const BwdParams& p, int kernel_hdim) {
 
 template <typename T, int kHeadDim>
 void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
-  static_assert(kHeadDim == 128, "build_matrix lists fa3's backward at head dim 128 only");
+  static_assert(kHeadDim == 64 || kHeadDim == 128,
+                "build_matrix lists fa3's backward at head dims 64 and 128 only");
   using Tr = BwdTraits<T, kHeadDim>;
   using Element = typename Tr::Element;
   if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
@@ -82,7 +83,8 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
                                     p.heads_k, batches_k), kv_view);
   using Tma = BwdTma<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v)>;
   const Tma tma{tma_q, tma_do, tma_k, tma_v};
-  auto kernel = bwd_kernel<Tr, Tma>;
+  auto kernel = p.softcap > 0.f || p.alibi_slopes != nullptr ? bwd_kernel<Tr, Tma, true>
+                                                             : bwd_kernel<Tr, Tma, false>;
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
   const int64_t ctas = (int64_t(p.seqlen_k) + Tr::kBlockN - 1) / Tr::kBlockN * p.heads_k * p.batch;

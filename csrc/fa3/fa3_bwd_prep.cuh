@@ -122,7 +122,8 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
       const float x[4] = {v.x, v.y, v.z, v.w};
       CUTE_UNROLL
       for (int e = 0; e < 4; e += 2) {
-        const int r = row0 + get<0>(cdQ(4 * j + e)), c = 64 * cw + get<1>(cdQ(4 * j + e));
+        const int r = row0 + get<0>(cdQ(4 * j + e));
+        const int c = kHeadDim / 2 * cw + get<1>(cdQ(4 * j + e));
         if (r < rows && c < p.head_dim) {
           store2(dq + int64_t(r) * p.dq_strides.row + c, x[e] * p.softmax_scale,
                  x[e + 1] * p.softmax_scale);

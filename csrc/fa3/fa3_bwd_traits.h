@@ -5,6 +5,8 @@
 // register A operands of dV += P^T dO and dK += dS^T Q.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
@@ -23,7 +25,7 @@ struct BwdTraits {
   static constexpr int kConsumers = 2;  // warpgroups, 64 keys each
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240
-  static_assert(kHeadDim == 128, "the first backward tile: head dim 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the backward's tile: head dim 64 or 128");
 
   // One warpgroup's S^T = K Q^T and dP^T = V dO^T (both operands K-major in shared memory).
   using ShapeSt = Shape<_64, Int<kBlockM>, Int<kHeadDim>>;
@@ -39,12 +41,16 @@ struct BwdTraits {
       GMMA::ss_op_selector<Element, Element, float, ShapedQ, GMMA::Major::MN, GMMA::Major::MN>()));
 
   using SwizzleAtom = GMMA::Layout_K_SW128_Atom<Element>;  // rows of 64 elements
+  // The dQ GEMM reads K as (head_dim, keys) MN-major in halves of kHeadDim / 2 columns; a
+  // 128-byte swizzle needs 64 of them, so at head dim 64 K and V take the 64-byte one.
+  using SwizzleAtomKV = std::conditional_t<kHeadDim / 2 < 64, GMMA::Layout_K_SW64_Atom<Element>,
+                                           SwizzleAtom>;
   using SmemQ = decltype(tile_to_shape(SwizzleAtom{},
                                        Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemQt = decltype(composition(
       SmemQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
                                    Step<_2, _1, _3>{})));
-  using SmemKV = decltype(tile_to_shape(SwizzleAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemKV = decltype(tile_to_shape(SwizzleAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemKt = decltype(composition(
       SmemKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
   // dS^T as (keys, rows), rows contiguous (one 128-byte swizzle row of 64 rows), and the same

@@ -1,11 +1,12 @@
 // The mask policy seen from a key tile, for the backward's loop over query tiles: which query
 // tiles see any key of the tile, and which of them see all of it (no per-element mask). The
-// transpose of Mask::key_tiles, built on Mask::query_begin / query_end.
+// transpose of Mask::key_tiles, built on Mask::query_begin / query_end. Shared by FA2's and
+// FA3's backward.
 #pragma once
 
 #include "common/mask.h"
 
-namespace flash::fa2 {
+namespace flash {
 
 struct QueryTiles {
   int begin = 0, end = 0;                    // query tiles that may see a key: [begin, end)
@@ -60,4 +61,4 @@ __device__ int first_key_tile_of(const Mask& mask, int m_block, int n_block) {
   return lo;
 }
 
-}  // namespace flash::fa2
+}  // namespace flash
