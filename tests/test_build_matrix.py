@@ -310,7 +310,7 @@ def test_fa3_entry():
     assert f.features == set(_validate.FEATURES) - {"dropout", "paged_kv_unaligned"}
     assert f.bwd_family == "fa2"
     assert (f.bwd_hdims, f.bwd_features, f.bwd_deterministic) == (
-        (64, 128), {"causal", "gqa", "local", "softcap", "alibi", "varlen"}, False)
+        (64, 128), {"causal", "gqa", "local", "softcap", "alibi", "varlen"}, True)
     assert M.arch_code(f.max_arch) == "90a"    # its kernels need the arch-specific machine code
     assert M.PREFERENCE[0] == "fa3"
 
@@ -319,7 +319,7 @@ def test_backward_family():
     assert M.backward_family("fa1", 64) == "fa1"
     assert M.backward_family("fa2", 256, {"dropout", "alibi"}, deterministic=True) == "fa2"
     # fa3's own backward: the forward's head dim 64 and 128 kernels (up to 64, 97-128), dense
-    # or variable-length, with a mask, softcap, ALiBi, GQA; not short, not deterministic.
+    # or variable-length, with a mask, softcap, ALiBi, GQA, deterministic; not short.
     assert M.backward_family("fa3", 128) == "fa3"
     assert M.backward_family("fa3", 100, {"causal", "gqa"}) == "fa3"
     assert M.backward_family("fa3", 40, {"causal", "gqa"}) == "fa3"
@@ -328,7 +328,8 @@ def test_backward_family():
     for feature in ("local", "softcap", "alibi", "varlen"):
         assert M.backward_family("fa3", 128, {"causal", feature}) == "fa3"
     assert M.backward_family("fa3", 128, {"causal", "short_q"}) == "fa2"
-    assert M.backward_family("fa3", 128, deterministic=True) == "fa2"
+    assert M.backward_family("fa3", 128, deterministic=True) == "fa3"
+    assert M.backward_family("fa3", 96, deterministic=True) == "fa2"
     assert M.backward_family("fa2", 512) == "fa2"   # past its head dims: no other to name
     with pytest.raises(KeyError):
         M.backward_family("fa9", 64)

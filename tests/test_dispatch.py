@@ -112,9 +112,8 @@ def test_fa3_gradient_needs_its_backward_kernels_at_128():
     no_fa3_bwd = frozenset(c for c in b if not (c.family == "fa3" and c.direction == "bwd"))
     assert "no fa3 bwd kernel for fp16 head dim 128" in \
         D.why_not("fa3", 90, "fp16", 128, (), ("fwd", "bwd"), no_fa3_bwd)
-    # deterministic=True (or a short call) takes fa2's backward there too.
-    assert "no fa2 bwd kernel (which computes fa3's gradient)" in \
-        D.why_not("fa3", 90, "fp16", 128, (), ("fwd", "bwd"), b, deterministic=True)
+    # A short call takes fa2's backward there too; deterministic=True does not.
+    assert D.why_not("fa3", 90, "fp16", 128, (), ("fwd", "bwd"), b, deterministic=True) is None
     assert "no fa2 bwd kernel (which computes fa3's gradient)" in \
         D.why_not("fa3", 90, "fp16", 128, {"short_q"}, ("fwd", "bwd"), b)
     assert D.why_not("fa3", 90, "fp16", 128, {"softcap", "local"}, ("fwd", "bwd"), b) is None
@@ -394,7 +393,7 @@ def test_dropout_on_sm90_runs_fa2_through_the_call(fake_ext):
 
 def test_fa3_gradient_runs_fa3s_backward_where_it_takes_the_call(fake_ext):
     # Head dim 64 or 128, at least SHORT_Q_ROWS query rows per KV head: fa3's backward, with
-    # or without a mask or score mod; fewer rows, deterministic=True or another head dim:
+    # or without a mask or score mod, deterministic or not; fewer rows or another head dim:
     # fa2's, on the same O and LSE.
     fake_ext.arch = 90
     rows = build_matrix.SHORT_Q_ROWS
@@ -402,7 +401,7 @@ def test_fa3_gradient_runs_fa3s_backward_where_it_takes_the_call(fake_ext):
             (128, dict(sq=rows), {}, "fa3"), (128, dict(sq=rows), {"causal": True}, "fa3"),
             (120, dict(sq=rows), {}, "fa3"), (128, dict(sq=rows // 4, hk=1), {}, "fa3"),
             (128, dict(sq=rows - 1), {}, "fa2"), (128, dict(sq=rows // 4 - 1, hk=1), {}, "fa2"),
-            (128, dict(sq=rows), {"deterministic": True}, "fa2"),
+            (128, dict(sq=rows), {"deterministic": True}, "fa3"),
             (128, dict(sq=rows), {"window_size": (2, 0)}, "fa3"),
             (128, dict(sq=rows), {"softcap": 5.0}, "fa3"), (64, dict(sq=rows), {}, "fa3"),
             (96, dict(sq=rows), {}, "fa2"), (192, dict(sq=rows), {"causal": True}, "fa2")):

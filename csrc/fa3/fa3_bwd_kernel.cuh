@@ -10,7 +10,19 @@
 //   and at the end write dK (times softmax_scale) and dV.
 // The steps walk every query head of the KV head's group, so dK / dV of a group are summed in
 // registers. Dense or variable-length; causal, window, softcap and ALiBi (fa3_bwd_score.h);
-// no dropout or determinism yet.
+// deterministic (below); no dropout.
+//
+// Deterministic mode (p.deterministic): the adds into one dQ tile happen in a fixed order, from
+// the last key tile that walks it down. A counter per (batch, head, query tile) in the scratch
+// says how many key tiles have added; the CTA of key tile n waits for its turn (the number of
+// later key tiles that walk the query tile, common/query_tiles.h), adds, waits for the add to
+// complete and passes the turn on. The grid then puts a head's last key tile first, so the
+// turn always comes from an earlier CTA, which never waits on a later one: the waits end. With
+// a causal or windowed mask a later key tile starts its walk two query tiles further on, so
+// it reaches each dQ tile two steps before this one and the turns cost little. Without one
+// every key tile walks the same tiles in the same order, and a dQ tile's turns form a chain
+// through all of them: there the key tiles add into s.dq_copies accumulators by n modulo the
+// copies, which the conversion sums in order, and the chains are that many times shorter.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -61,6 +73,23 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+// The deterministic mode's turns (one thread a CTA). The proxy fences order the bulk adds (the
+// async proxy) after the acquire and before the release.
+__device__ __forceinline__ void dq_turn_wait(const int* counter, int turn) {
+  int seen;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    if (seen == turn) break;
+    __nanosleep(32);
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+__device__ __forceinline__ void dq_turn_pass(int* counter) {
+  bulk_wait();
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
 // Rows [from, rows) of a (rows, kHeadDim) shared-memory tile set to 0 by the 256 consumer
 // threads: a variable-length sequence's tile runs into the next sequence's rows, or into rows
 // past seqused that may hold anything (NaN times a zero P is NaN).
@@ -103,7 +132,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // A 1-D grid (batch x heads_k may pass 65535, a grid's y / z limit), key tiles fastest:
   // neighbouring CTAs read the same Q and dO.
   const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-  const int n_block = int(blockIdx.x % n_blocks);
+  const int n_block = p.deterministic ? n_blocks - 1 - int(blockIdx.x % n_blocks)
+                                      : int(blockIdx.x % n_blocks);
   const int head_k = int(blockIdx.x / n_blocks % p.heads_k);
   const int batch = int(blockIdx.x / n_blocks / p.heads_k);
   const flash::SeqInfo seq(p, batch);
@@ -240,6 +270,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // dQ: each step's tile goes to shared buffer buf; consumer 0's first thread adds it to the
     // accumulator in global memory at the next step's dS barrier (one bulk reduce-add).
     int64_t dq_pending = -1;  // the tile (element offset in s.dq) buffer buf ^ 1 holds, -1: none
+    // Tile t of the accumulator (64 rows of one (batch, head)) is at t * kBlockM * kHeadDim of
+    // copy n_block % dq_copies; its turn counter is that copy's s.dq_turns[t].
+    auto add_dq = [&](int64_t offset, const float* tile) {
+      const int dq_copy = n_block % s.dq_copies;  // here, not live across the walk
+      float* dq_acc = s.dq + dq_copy * s.dq_copy_stride;
+      const int64_t t = offset / (kBlockM * kHeadDim);
+      int* turns = s.dq_turns + dq_copy * (s.dq_copy_stride / (kBlockM * kHeadDim)) + t;
+      if (s.dq_turns != nullptr) {
+        const int m_tile = int(t % (rows_q / kBlockM));
+        // The mask again from the params: its window fields need no registers across the walk.
+        const Mask seq_mask(p, score.seqlen_q, score.seqlen_k);
+        const int last = last_key_tile_of<kBlockM, kBlockN>(seq_mask, m_tile, n_block);
+        dq_turn_wait(turns, (last - n_block) / s.dq_copies);
+      }
+      bulk_reduce_add(dq_acc + offset, tile, Tr::kdQBytes);
+      if (s.dq_turns != nullptr) dq_turn_pass(turns);
+    };
     int buf = 0;
     #pragma unroll 1
     for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
@@ -312,7 +359,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const bool bulk_now = threadIdx.x == 128 && dq_pending >= 0;
         if (bulk_now) bulk_wait_read();
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
-        if (bulk_now) bulk_reduce_add(s.dq + dq_pending, shared.dq[buf ^ 1], Tr::kdQBytes);
+        if (bulk_now) add_dq(dq_pending, shared.dq[buf ^ 1]);
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim / 2>>{});
         wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
         warpgroup_wait<0>();
@@ -338,7 +385,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
     cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
     if (threadIdx.x == 128) {
-      bulk_reduce_add(s.dq + dq_pending, shared.dq[buf ^ 1], Tr::kdQBytes);
+      add_dq(dq_pending, shared.dq[buf ^ 1]);
       bulk_wait();  // done before the CTA's shared memory goes
     }
   }

@@ -27,13 +27,16 @@ struct BwdTma {
   V v;
 };
 
-inline BwdScratch bwd_scratch(const BwdParams& p, int kernel_hdim) {
+inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kernel_hdim) {
   BwdScratch s;
   s.rows_pad = (int64_t(p.seqlen_q) + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
   s.dq = static_cast<float*>(p.workspace);
-  s.lse2 = s.dq + rows * kernel_hdim;
+  s.dq_copies = plan.dq_copies;
+  s.dq_copy_stride = rows * kernel_hdim;
+  s.lse2 = s.dq + s.dq_copy_stride * s.dq_copies;
   s.dsum = s.lse2 + rows;
+  s.dq_turns = p.deterministic ? reinterpret_cast<int*>(s.dsum + rows) : nullptr;
   return s;
 }
 
@@ -49,7 +52,7 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
     throw std::runtime_error("flash_attn: fa3 backward: the workspace must hold the plan's "
                              "workspace_bytes, 16-byte aligned");
   }
-  const BwdScratch s = bwd_scratch(p, kHeadDim);
+  const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
   constexpr int kRowsPerStep = kBwdPrepThreads / (kHeadDim / 8);
   const int64_t prep_blocks = std::min<int64_t>((rows + kRowsPerStep - 1) / kRowsPerStep,

@@ -2,7 +2,10 @@
 // kBwdRowPad) hold, for the main kernel's unguarded tile loads:
 //   lse2   the forward's lse in base 2; +inf past the sequence (P = 0 there)
 //   dsum   D = rowsum(dO o O); 0 past the sequence
-//   dq     the dQ accumulator (fp32, unscaled), zeroed here, added to by every key tile
+//   dq     the dQ accumulator (fp32, unscaled), zeroed here, added to by every key tile;
+//          dq_copies of them in some deterministic calls, summed in order at the conversion
+//   dq_turns  deterministic mode only: a counter per 64-row tile and copy (fa3_bwd_kernel.cuh),
+//          zeroed
 // and the conversion of the accumulator into dq (times softmax_scale, in the output dtype).
 #pragma once
 
@@ -25,6 +28,9 @@ struct BwdScratch {
   float* lse2;
   float* dsum;
   float* dq;
+  int64_t dq_copy_stride;  // floats between two copies of the accumulator
+  int dq_copies;
+  int* dq_turns;     // nullptr unless deterministic
   int64_t rows_pad;  // per (batch, head)
 };
 
@@ -57,9 +63,12 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
   const int lane = threadIdx.x % kLanes;
   for (int64_t row = int64_t(blockIdx.x) * kRowsPerStep + threadIdx.x / kLanes; row < total;
        row += int64_t(gridDim.x) * kRowsPerStep) {
-    float4* dq = reinterpret_cast<float4*>(s.dq + row * kHeadDim + lane * 8);
-    dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-    dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c = 0; c < s.dq_copies; ++c) {
+      float4* dq = reinterpret_cast<float4*>(s.dq + c * s.dq_copy_stride + row * kHeadDim +
+                                             lane * 8);
+      dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     const int64_t bh = row / s.rows_pad;
     const int r = int(row % s.rows_pad), h = int(bh % p.heads);
     const SeqInfo seq(p, int(bh / p.heads));
@@ -82,6 +91,11 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
       acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     }
     if (lane == 0) {
+      if (s.dq_turns != nullptr && r % kBwdRowPad == 0) {
+        for (int c = 0; c < s.dq_copies; ++c) {
+          s.dq_turns[c * (total / kBwdRowPad) + row / kBwdRowPad] = 0;
+        }
+      }
       s.dsum[row] = acc;
       // lse is +inf for a row that saw no key: P = 0 there as past the sequence.
       s.lse2[row] = live ? p.lse[seq.lse_offset(p, h) + r] * float(M_LOG2E) : INFINITY;
@@ -113,13 +127,17 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     const int64_t bh = tile / tiles_per_head;
     const int row0 = int(tile % tiles_per_head) * kBlockM, h = int(bh % p.heads);
     const SeqInfo seq(p, int(bh / p.heads));
-    const float4* src = reinterpret_cast<const float4*>(s.dq + tile * kBlockM * kHeadDim);
+    const float* src = s.dq + tile * kBlockM * kHeadDim;
     T* dq = static_cast<T*>(p.dq) + seq.dq_offset(p, h);
     const int rows = seq.rows_q(p);
     CUTE_UNROLL
     for (int j = 0; j < size(cdQ) / 4; ++j) {
-      const float4 v = src[j * 256 + threadIdx.x];
-      const float x[4] = {v.x, v.y, v.z, v.w};
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int c = 0; c < s.dq_copies; ++c) {  // in order: deterministic
+        const float4 v =
+            reinterpret_cast<const float4*>(src + c * s.dq_copy_stride)[j * 256 + threadIdx.x];
+        x[0] += v.x, x[1] += v.y, x[2] += v.z, x[3] += v.w;
+      }
       CUTE_UNROLL
       for (int e = 0; e < 4; e += 2) {
         const int r = row0 + get<0>(cdQ(4 * j + e));
