@@ -1,12 +1,13 @@
 // The FA3 backward kernel: one CTA per (key tile, KV head, batch), three warpgroups:
 //   warpgroup 0, the producer: one thread loads the CTA's K and V once, then each step's Q and
-//     dO tiles (TMA) with their rows' lse and D (bulk copies) into two-stage pipelines;
+//     dO tiles (TMA) with their rows' lse and D (bulk copies) into two-stage pipelines; its
+//     second warp, the dQ writer, adds each step's staged dQ tile to the accumulator;
 //   warpgroups 1-2, the consumers, 64 keys each, per step (kBlockM query rows of one head):
 //     S^T = K Q^T, dP^T = V dO^T           SS WGMMA
 //     P^T = exp2(S^T scale - lse), dS^T = P^T o (dP^T - D)
 //     dV += P^T dO, dK += dS^T Q           RS WGMMA, P^T / dS^T from registers
 //     dS^T to shared memory; dQ[:, half c] = dS K[:, half c]   SS WGMMA, staged in shared
-//     memory and added to an fp32 accumulator by one bulk reduce-add a step
+//     memory (two buffers) for the dQ writer's bulk reduce-add
 //   and at the end write dK (times softmax_scale) and dV.
 // The steps walk every query head of the KV head's group, so dK / dV of a group are summed in
 // registers. Dense or variable-length; causal, window, softcap and ALiBi (fa3_bwd_score.h);
@@ -43,8 +44,10 @@
 namespace flash::fa3 {
 
 // The consumers' named barriers around the shared dS tile (ids as fa3_utils.h's).
-// Tails: the zeroed tail rows of a tile (below) are in place.
-enum class BwdBarrier : uint32_t { dSFree = 2, dSFull = 3, Tails = 4 };
+// Tails: the zeroed tail rows of a tile (below) are in place. dQFull + b / dQEmpty + b: dQ
+// staging buffer b written by the consumers / read by the dQ writer's bulk add.
+enum class BwdBarrier : uint32_t { dSFree = 2, dSFull = 3, Tails = 4, dQFull = 5, dQEmpty = 7 };
+constexpr int kdQBarrierThreads = 256 + 32;  // the consumers and the dQ writer warp
 
 // A bulk copy of `bytes` (a multiple of 16) from global into shared memory, counted on `bar`.
 __device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes,
@@ -88,6 +91,32 @@ __device__ __forceinline__ void dq_turn_pass(int* counter) {
   bulk_wait();
   asm volatile("fence.proxy.async.global;" ::: "memory");
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
+// The dQ writer's add of the staged tile at `offset` floats into the accumulator (tile t =
+// offset / (kBlockM kHeadDim) of the scratch's 64-row tiles, in copy n_block % dq_copies; its
+// turn counter is that copy's dq_turns[t]). Deterministic mode: in turn, and complete before
+// the turn passes on.
+template <class Tr>
+__device__ __forceinline__ void add_dq_tile(const BwdParams& p, const BwdScratch& s,
+                                            int n_block, int seqlen_q, int seqlen_k,
+                                            int64_t offset, const float* tile) {
+  constexpr int kTile = Tr::kBlockM * Tr::kHeadDim;
+  const int dq_copy = n_block % s.dq_copies;
+  const int64_t t = offset / kTile;
+  int* turns = s.dq_turns + dq_copy * (s.dq_copy_stride / kTile) + t;
+  if (s.dq_turns != nullptr) {
+    const int m_tile = int(t % (s.rows_pad / Tr::kBlockM));
+    const int last = last_key_tile_of<Tr::kBlockM, Tr::kBlockN>(Mask(p, seqlen_q, seqlen_k),
+                                                                m_tile, n_block);
+    dq_turn_wait(turns, (last - n_block) / s.dq_copies);
+  }
+  bulk_reduce_add(s.dq + dq_copy * s.dq_copy_stride + offset, tile, Tr::kdQBytes);
+  if (s.dq_turns != nullptr) {
+    dq_turn_pass(turns);
+  } else {
+    bulk_wait_read();
+  }
 }
 
 // Rows [from, rows) of a (rows, kHeadDim) shared-memory tile set to 0 by the 256 consumer
@@ -162,7 +191,37 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (threadIdx.x != 0 || steps.count() == 0) return;
+    if (steps.count() == 0) return;
+    if (threadIdx.x / 32 == 1) {
+      // The dQ writer: the steps' tiles from buffers 0, 1, 0, ... Buffer b is free for the
+      // consumers' step i once the add of step i - 2 has read it (both free at the start);
+      // no arrive is left without its sync.
+      const int count = steps.count();
+      const bool leader = threadIdx.x == 32;
+      for (int b = 0; b < 2 && b < count; ++b) {
+        cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + b);
+      }
+      const int per_head = steps.m_end - steps.m_begin;
+      #pragma unroll 1
+      for (int i = 0; i < count; ++i) {
+        const int b = i & 1;
+        cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + b);
+        if (leader) {
+          const int head = head_k * steps.heads_per_kv + i / per_head;
+          const int m = steps.m_begin + i % per_head;
+          const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q + m * kBlockM;
+          add_dq_tile<Tr>(p, s, n_block, seqlen_q, seqlen_k, row0 * kHeadDim, shared.dq[b]);
+        }
+        __syncwarp();
+        if (i + 2 < count) {
+          cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads,
+                                              uint32_t(BwdBarrier::dQEmpty) + b);
+        }
+      }
+      if (leader) bulk_wait();  // done before the CTA's shared memory goes
+      return;
+    }
+    if (threadIdx.x != 0) return;
     const int batches = SeqInfo::view_batch(p), batches_k = SeqInfo::view_batch_k(p);
     Tensor mQ = tma.q.get_tma_tensor(
         make_shape(SeqInfo::view_rows_q(p), p.head_dim, p.heads, batches));
@@ -267,31 +326,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Tails));
     }
     typename Tr::PipelineState state;
-    // dQ: each step's tile goes to shared buffer buf; consumer 0's first thread adds it to the
-    // accumulator in global memory at the next step's dS barrier (one bulk reduce-add).
-    int64_t dq_pending = -1;  // the tile (element offset in s.dq) buffer buf ^ 1 holds, -1: none
-    // Tile t of the accumulator (64 rows of one (batch, head)) is at t * kBlockM * kHeadDim of
-    // copy n_block % dq_copies; its turn counter is that copy's s.dq_turns[t].
-    auto add_dq = [&](int64_t offset, const float* tile) {
-      const int dq_copy = n_block % s.dq_copies;  // here, not live across the walk
-      float* dq_acc = s.dq + dq_copy * s.dq_copy_stride;
-      const int64_t t = offset / (kBlockM * kHeadDim);
-      int* turns = s.dq_turns + dq_copy * (s.dq_copy_stride / (kBlockM * kHeadDim)) + t;
-      if (s.dq_turns != nullptr) {
-        const int m_tile = int(t % (rows_q / kBlockM));
-        // The mask again from the params: its window fields need no registers across the walk.
-        const Mask seq_mask(p, score.seqlen_q, score.seqlen_k);
-        const int last = last_key_tile_of<kBlockM, kBlockN>(seq_mask, m_tile, n_block);
-        dq_turn_wait(turns, (last - n_block) / s.dq_copies);
-      }
-      bulk_reduce_add(dq_acc + offset, tile, Tr::kdQBytes);
-      if (s.dq_turns != nullptr) dq_turn_pass(turns);
-    };
-    int buf = 0;
+    int buf = 0;  // the dQ staging buffer of this step
     #pragma unroll 1
     for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
       const int head = head_k * steps.heads_per_kv + hq;
-      const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q;
       ScoreMod mod;
       if constexpr (kScoreMod) mod = ScoreMod(p, seq, head);
       #pragma unroll 1
@@ -353,13 +391,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFree));
         copy(r2s_ds, r2s_thr.retile_S(rdS), tdSsdS);
         cutlass::arch::fence_view_async_shared();
-        // The last step's dQ tile is whole in shared memory once both consumers pass this
-        // barrier; its bulk add before that (the one reading the buffer the last step wrote)
-        // has read its source before any consumer passes it (a free buffer for this step).
-        const bool bulk_now = threadIdx.x == 128 && dq_pending >= 0;
-        if (bulk_now) bulk_wait_read();
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
-        if (bulk_now) add_dq(dq_pending, shared.dq[buf ^ 1]);
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim / 2>>{});
         wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
         warpgroup_wait<0>();
@@ -371,7 +403,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         pipe_do.consumer_release(state);
         ++state;
         // This step's dQ into buffer buf, in the accumulator's order (dq_tile_index), which the
-        // global accumulator keeps: one bulk add of the whole tile, added at the next barrier.
+        // global accumulator keeps: one bulk add of the whole tile, by the dQ writer.
+        cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + buf);
         float4* dq_s = reinterpret_cast<float4*>(shared.dq[buf]);
         CUTE_UNROLL
         for (int j = 0; j < size(acc_dq) / 4; ++j) {
@@ -379,14 +412,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
               make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
         }
         cutlass::arch::fence_view_async_shared();
-        dq_pending = (row0 + m * kBlockM) * kHeadDim;
+        cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + buf);
         buf ^= 1;
       }
-    }
-    cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
-    if (threadIdx.x == 128) {
-      add_dq(dq_pending, shared.dq[buf ^ 1]);
-      bulk_wait();  // done before the CTA's shared memory goes
     }
   }
 

@@ -132,12 +132,13 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     const int rows = seq.rows_q(p);
     CUTE_UNROLL
     for (int j = 0; j < size(cdQ) / 4; ++j) {
-      float x[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int c = 0; c < s.dq_copies; ++c) {  // in order: deterministic
-        const float4 v =
+      float4 v = reinterpret_cast<const float4*>(src)[j * 256 + threadIdx.x];
+      for (int c = 1; c < s.dq_copies; ++c) {  // in order: deterministic
+        const float4 w =
             reinterpret_cast<const float4*>(src + c * s.dq_copy_stride)[j * 256 + threadIdx.x];
-        x[0] += v.x, x[1] += v.y, x[2] += v.z, x[3] += v.w;
+        v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
       }
+      const float x[4] = {v.x, v.y, v.z, v.w};
       CUTE_UNROLL
       for (int e = 0; e < 4; e += 2) {
         const int r = row0 + get<0>(cdQ(4 * j + e));
