@@ -43,10 +43,14 @@
 
 namespace flash::fa3 {
 
-// The consumers' named barriers around the shared dS tile (ids as fa3_utils.h's).
-// Tails: the zeroed tail rows of a tile (below) are in place. dQFull + b / dQEmpty + b: dQ
-// staging buffer b written by the consumers / read by the dQ writer's bulk add.
-enum class BwdBarrier : uint32_t { dSFree = 2, dSFull = 3, Tails = 4, dQFull = 5, dQEmpty = 7 };
+// Named barriers (CUTLASS's user ids: it adds its reserved count, and the hardware has 16).
+// dSFree / dSFull: the consumers around the shared dS tile. Tails: the zeroed tail rows of a
+// tile (below) are in place. dQFull + b / dQEmpty + b: dQ staging buffer b written by the
+// consumers / read by the dQ writer's bulk add.
+enum class BwdBarrier : uint32_t { dSFree = 0, dSFull = 1, Tails = 2, dQFull = 3, dQEmpty = 5 };
+static_assert(uint32_t(BwdBarrier::dQEmpty) + 1 +
+                  cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
+              cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
 constexpr int kdQBarrierThreads = 256 + 32;  // the consumers and the dQ writer warp
 
 // A bulk copy of `bytes` (a multiple of 16) from global into shared memory, counted on `bar`.

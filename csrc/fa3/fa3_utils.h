@@ -23,6 +23,10 @@ __device__ __forceinline__ WarpRole warp_role(int warpgroup) {
 // VFree, consumer 0's last P V has read V (256 threads each). ConsumerOwn + c: consumer c's own
 // 128 threads.
 enum class FwdBarrier : uint32_t { KFree = 2, VFree = 3, ConsumerOwn = 4 };
+// Three consumers at most; CUTLASS adds its reserved count to these ids, the hardware has 16.
+static_assert(uint32_t(FwdBarrier::ConsumerOwn) + 3 +
+                  cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <=
+              cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
 __device__ __forceinline__ void barrier_sync(int threads, FwdBarrier id, int offset = 0) {
   cutlass::arch::NamedBarrier::sync(threads, uint32_t(id) + offset);
 }
