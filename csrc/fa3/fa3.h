@@ -41,30 +41,6 @@ inline const char* bwd_unsupported(const BwdParams& p) {
   return nullptr;
 }
 
-struct BwdPlan {
-  int64_t workspace_bytes = 0;  // dQ accumulators (fp32), lse in base 2, D, dQ turns
-  int dq_copies = 1;            // dQ accumulators (deterministic mode, fa3_bwd_kernel.cuh)
-};
-
-// Deterministic calls whose key tiles all walk the same query tiles (no right bound on the
-// keys a row sees) add into this many dQ accumulators, summed in order at the conversion: the
-// chain of turns a dQ tile waits through is a quarter as long (fa3_bwd_kernel.cuh).
-constexpr int kBwdDqCopies = 4;
-
-inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
-  constexpr int64_t kRowPad = 64, kBlockN = 128;  // fa3_bwd_prep.cuh, fa3_bwd_traits.h
-  const int64_t rows_pad = (p.seqlen_q + kRowPad - 1) / kRowPad * kRowPad;
-  const int64_t rows = int64_t(p.batch) * p.heads * rows_pad;
-  const int64_t key_tiles = (p.seqlen_k + kBlockN - 1) / kBlockN;
-  BwdPlan plan;
-  if (p.deterministic && !p.causal && p.window_right < 0) {
-    plan.dq_copies = int(key_tiles < kBwdDqCopies ? key_tiles : kBwdDqCopies);
-  }
-  const int64_t turns = p.deterministic ? plan.dq_copies * rows / kRowPad : 0;
-  plan.workspace_bytes = rows * (kernel_hdim * plan.dq_copies + 2) * 4 + turns * 4;
-  return plan;
-}
-
 template <typename T, int kHeadDim>
 void run_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream);
 

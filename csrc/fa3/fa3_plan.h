@@ -1,6 +1,6 @@
 // The FA3 forward's tile table and its per-call plan: which kernel runs a call (tile, schedule,
-// cluster, stream-K), on how many CTAs, with how much workspace. Decided here once per call and
-// read by the launcher (fa3_fwd_launch.cuh). Pure host logic with no CUDA header, so that
+// cluster, stream-K), on how many CTAs, with how much workspace; and the backward's plan.
+// Decided here once per call and read by the launchers (fa3_fwd_launch.cuh, fa3_bwd_launch.cuh). Pure host logic with no CUDA header, so that
 // tests/cpp/test_fa3_plan.cpp checks it on the CPU. Measurements behind every rule:
 // docs/fa3_decisions.md.
 #pragma once
@@ -243,6 +243,34 @@ inline const char* plan_error(const FwdPlan& plan) {
     return "no stream-K workers, or more than 2^31 - 1 stream-K units";
   }
   return nullptr;
+}
+
+// ---- the backward ---------------------------------------------------------------------------
+
+// The backward's plan: its workspace (fa3_bwd_launch.cuh lays it out) and, in deterministic
+// mode, how many dQ accumulators.
+struct BwdPlan {
+  int64_t workspace_bytes = 0;  // dQ accumulators (fp32), lse in base 2, D, dQ turns
+  int dq_copies = 1;            // dQ accumulators (deterministic mode, fa3_bwd_kernel.cuh)
+};
+
+// Deterministic calls whose key tiles all walk the same query tiles (no right bound on the
+// keys a row sees) add into this many dQ accumulators, summed in order at the conversion: the
+// chain of turns a dQ tile waits through is a quarter as long (fa3_bwd_kernel.cuh).
+constexpr int kBwdDqCopies = 4;
+
+inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
+  constexpr int64_t kRowPad = 64, kBlockN = 128;  // fa3_bwd_prep.cuh, fa3_bwd_traits.h
+  const int64_t rows_pad = (p.seqlen_q + kRowPad - 1) / kRowPad * kRowPad;
+  const int64_t rows = int64_t(p.batch) * p.heads * rows_pad;
+  const int64_t key_tiles = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  BwdPlan plan;
+  if (p.deterministic && !p.causal && p.window_right < 0) {
+    plan.dq_copies = int(std::clamp<int64_t>(key_tiles, 1, kBwdDqCopies));
+  }
+  const int64_t turns = p.deterministic ? plan.dq_copies * rows / kRowPad : 0;
+  plan.workspace_bytes = rows * (kernel_hdim * plan.dq_copies + 2) * 4 + turns * 4;
+  return plan;
 }
 
 }  // namespace flash::fa3

@@ -1,5 +1,5 @@
 // The FA3 forward's per-call plan (csrc/fa3/fa3_plan.h) on the CPU: which kernel a call runs, on
-// how many CTAs, with how much workspace. Built and run by tests/test_plans.py (any C++17
+// how many CTAs, with how much workspace; and the backward's workspace and dQ accumulators. Built and run by tests/test_plans.py (any C++17
 // compiler; the plan is pure host logic). Exit status 0: every check passed.
 #include <cstdio>
 #include <string>
@@ -7,6 +7,7 @@
 #include "fa3/fa3_plan.h"
 #include "check.h"
 
+using flash::BwdParams;
 using flash::FwdParams;
 using flash::Tuning;
 using namespace flash::fa3;
@@ -140,5 +141,32 @@ int main() {
     CHECK(!t.narrow.exists() || (t.narrow.consumers == 2 && t.wide_gain_pct > 100));
   }
   CHECK(!fwd_tiles(80).wide.exists());
+
+  // The backward: dQ accumulator (fp32, rows padded to 64 per head), lse, D; deterministic
+  // calls add one turn counter per 64 rows, and those without a right bound on the keys (full,
+  // a left window) four accumulators, or one per key tile below that.
+  {
+    auto bwd = [](FwdParams f, bool deterministic) {
+      BwdParams p;
+      static_cast<FwdParams&>(p) = f;
+      p.deterministic = deterministic;
+      return p;
+    };
+    const int64_t rows = 2 * 6 * 1024;  // batch 2, 6 heads, 1000 rows padded to 1024
+    const BwdPlan plain = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128);
+    CHECK(plain.dq_copies == 1 && plain.workspace_bytes == rows * (128 + 2) * 4);
+    const BwdPlan full = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 128);
+    CHECK(full.dq_copies == 4);
+    CHECK(full.workspace_bytes == rows * (4 * 128 + 2) * 4 + 4 * rows / 64 * 4);
+    const BwdPlan masked = plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), true), 64);
+    CHECK(masked.dq_copies == 1 && masked.workspace_bytes == rows * (64 + 2) * 4 + rows / 64 * 4);
+    FwdParams left = call(2, 1000, 1500, 6, 2);
+    left.window_left = 200;
+    CHECK(plan_bwd(bwd(left, true), 128).dq_copies == 4);
+    FwdParams right = left;
+    right.window_right = 40;
+    CHECK(plan_bwd(bwd(right, true), 128).dq_copies == 1);
+    CHECK(plan_bwd(bwd(call(1, 64, 200, 2, 2), true), 128).dq_copies == 2);  // two key tiles
+  }
   return check_status("fa3 plan");
 }
