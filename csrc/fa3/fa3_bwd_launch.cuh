@@ -60,13 +60,9 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   bwd_prep_kernel<T, kHeadDim><<<unsigned(prep_blocks), kBwdPrepThreads, 0, stream>>>(p, s);
   FLASH_CHECK_LAUNCH();
 
-  // (seqlen, head_dim, heads, batch) views, strides of extent-1 dims as fa3_fwd_launch.cuh.
+  // TMA views of the tensors (fa3_utils.h: tma_view).
   auto tensor = [&](auto* ptr, const Strides& st, int seqlen, int heads, int batches) {
-    const int64_t row = seqlen > 1 ? st.row : p.head_dim;
-    const int64_t head = heads > 1 ? st.head : row * seqlen;
-    const int64_t batch = batches > 1 ? st.batch : head * heads;
-    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, p.head_dim, heads, batches),
-                       make_stride(row, _1{}, head, batch));
+    return tma_view(ptr, st, p.head_dim, seqlen, heads, batches);
   };
   const int rows_q = SeqInfo::view_rows_q(p), rows_k = SeqInfo::view_rows_k(p);
   const int batches = SeqInfo::view_batch(p), batches_k = SeqInfo::view_batch_k(p);

@@ -47,18 +47,9 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
     throw std::runtime_error("flash_attn: fa3 forward: params.workspace needs the plan's "
                              "workspace_bytes of 16-byte aligned scratch");
   }
-  // A TMA descriptor needs every stride to be a multiple of 16 bytes, also that of a dimension
-  // of extent 1, which the frontend leaves as it comes (a slice of a longer tensor can have
-  // any). Such a stride is never stepped along: give it the extent of the dims inside it.
-  // A variable-length batch is one sequence of all its rows (SeqInfo's views).
+  // TMA views of the tensors (fa3_utils.h: tma_view).
   auto tensor = [&](auto* ptr, const Strides& s, int seqlen, int heads, int batches) {
-    const int64_t row = seqlen > 1 ? s.row : p.head_dim;
-    const int64_t head = heads > 1 ? s.head : row * seqlen;
-    const int64_t batch = batches > 1 ? s.batch : head * heads;
-    // The TMA boxes are kHeadDim wide; columns past head_dim (<= kHeadDim) are zero-filled,
-    // as are rows past seqlen.
-    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, p.head_dim, heads, batches),
-                       make_stride(row, _1{}, head, batch));
+    return tma_view(ptr, s, p.head_dim, seqlen, heads, batches);
   };
   const int rows_q = SeqInfo::view_rows_q(p), rows_k = SeqInfo::view_rows_k(p);
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{},

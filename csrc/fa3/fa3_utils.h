@@ -8,9 +8,27 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "common/params.h"
+
 namespace flash::fa3 {
 
 using namespace cute;
+
+// A (seqlen, head_dim, heads, batch) view of q, k, v, out or a gradient for a TMA descriptor,
+// which needs every stride to be a multiple of 16 bytes, also that of a dimension of extent 1
+// (the frontend leaves such a stride as it comes: a slice of a longer tensor can have any).
+// Such a stride is never stepped along: it gets the extent of the dims inside it. The TMA
+// boxes are kHeadDim wide; columns past head_dim (<= kHeadDim) are zero-filled, as are rows
+// past seqlen. A variable-length batch is one sequence of all its rows (SeqInfo's views).
+template <class T>
+inline auto tma_view(T* ptr, const Strides& s, int head_dim, int seqlen, int heads,
+                     int batches) {
+  const int64_t row = seqlen > 1 ? s.row : head_dim;
+  const int64_t head = heads > 1 ? s.head : row * seqlen;
+  const int64_t batch = batches > 1 ? s.batch : head * heads;
+  return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, head_dim, heads, batches),
+                     make_stride(row, _1{}, head, batch));
+}
 
 // Warpgroup 0 produces (TMA loads), the others consume (64 query rows each).
 enum class WarpRole { Producer, Consumer };
