@@ -20,7 +20,7 @@
 // complete and passes the turn on. The grid then puts a head's last key tile first, so the
 // turn always comes from an earlier CTA, which never waits on a later one: the waits end. With
 // a causal or windowed mask a later key tile starts its walk two query tiles further on, so
-// it reaches each dQ tile two steps before this one and the turns cost little. Without one
+// it reaches each dQ tile two steps before this one and the turns seldom wait. Without one
 // every key tile walks the same tiles in the same order, and a dQ tile's turns form a chain
 // through all of them: there the key tiles add into s.dq_copies accumulators by n modulo the
 // copies, which the conversion sums in order, and the chains are that many times shorter.
@@ -80,8 +80,8 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-// The deterministic mode's turns (one thread a CTA). The proxy fences order the bulk adds (the
-// async proxy) after the acquire and before the release.
+// The deterministic mode's turns (the dQ writer's first thread). The proxy fences order the
+// bulk adds (the async proxy) after the acquire and before the release.
 __device__ __forceinline__ void dq_turn_wait(const int* counter, int turn) {
   int seen;
   while (true) {
