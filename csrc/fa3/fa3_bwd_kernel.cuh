@@ -63,9 +63,8 @@ __device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t
       : "memory");
 }
 
-// Orders this thread's shared-memory stores before the bulk copies that read them is
-// cutlass::arch::fence_view_async_shared; these issue and wait for one.
 // dst[0, bytes) += src[0, bytes) in fp32, one bulk async-group (16-byte multiples and alignment).
+// The writers of src order their stores before it with cutlass::arch::fence_view_async_shared.
 __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                "cp.async.bulk.commit_group;" ::"l"(dst),
@@ -97,26 +96,25 @@ __device__ __forceinline__ void dq_turn_pass(int* counter) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
 
-// The dQ writer's add of the staged tile at `offset` floats into the accumulator (tile t =
-// offset / (kBlockM kHeadDim) of the scratch's 64-row tiles, in copy n_block % dq_copies; its
-// turn counter is that copy's dq_turns[t]). Deterministic mode: in turn, and complete before
-// the turn passes on.
+// The dQ writer's add of the staged tile at `offset` floats (query tile m_tile of its (batch,
+// head)) into the accumulator: tile t = offset / (kBlockM kHeadDim) of the scratch's 64-row
+// tiles, in copy n_block % dq_copies, whose turn counter is that copy's dq_turns[t].
+// Deterministic mode: in turn, and complete before the turn passes on.
 template <class Tr>
 __device__ __forceinline__ void add_dq_tile(const BwdParams& p, const BwdScratch& s,
-                                            int n_block, int seqlen_q, int seqlen_k,
+                                            int n_block, int seqlen_q, int seqlen_k, int m_tile,
                                             int64_t offset, const float* tile) {
   constexpr int kTile = Tr::kBlockM * Tr::kHeadDim;
   const int dq_copy = n_block % s.dq_copies;
-  const int64_t t = offset / kTile;
-  int* turns = s.dq_turns + dq_copy * (s.dq_copy_stride / kTile) + t;
+  int* turns = nullptr;
   if (s.dq_turns != nullptr) {
-    const int m_tile = int(t % (s.rows_pad / Tr::kBlockM));
+    turns = s.dq_turns + dq_copy * (s.dq_copy_stride / kTile) + offset / kTile;
     const int last = last_key_tile_of<Tr::kBlockM, Tr::kBlockN>(Mask(p, seqlen_q, seqlen_k),
                                                                 m_tile, n_block);
     dq_turn_wait(turns, (last - n_block) / s.dq_copies);
   }
   bulk_reduce_add(s.dq + dq_copy * s.dq_copy_stride + offset, tile, Tr::kdQBytes);
-  if (s.dq_turns != nullptr) {
+  if (turns != nullptr) {
     dq_turn_pass(turns);
   } else {
     bulk_wait_read();
@@ -214,7 +212,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           const int head = head_k * steps.heads_per_kv + i / per_head;
           const int m = steps.m_begin + i % per_head;
           const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q + m * kBlockM;
-          add_dq_tile<Tr>(p, s, n_block, seqlen_q, seqlen_k, row0 * kHeadDim, shared.dq[b]);
+          add_dq_tile<Tr>(p, s, n_block, seqlen_q, seqlen_k, m, row0 * kHeadDim, shared.dq[b]);
         }
         __syncwarp();
         if (i + 2 < count) {

@@ -1,8 +1,8 @@
 // The FA3 forward's tile table and its per-call plan: which kernel runs a call (tile, schedule,
 // cluster, stream-K), on how many CTAs, with how much workspace; and the backward's plan.
-// Decided here once per call and read by the launchers (fa3_fwd_launch.cuh, fa3_bwd_launch.cuh). Pure host logic with no CUDA header, so that
-// tests/cpp/test_fa3_plan.cpp checks it on the CPU. Measurements behind every rule:
-// docs/fa3_decisions.md.
+// Decided here once per call and read by the launchers (fa3_fwd_launch.cuh,
+// fa3_bwd_launch.cuh). Pure host logic with no CUDA header, so that tests/cpp/test_fa3_plan.cpp
+// checks it on the CPU. Measurements behind every rule: docs/fa3_decisions.md.
 #pragma once
 
 #include <algorithm>
