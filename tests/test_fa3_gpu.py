@@ -2,7 +2,7 @@
 error-versus-error rule (_gpu_common.py states it): every case runs
 ``flash_attn_func(..., backend='fa3')`` and its gradient against attention_ref in float64 and
 in plain PyTorch at the input precision. The gradient is fa3's backward where it takes the call
-(head dims up to 64 and 97-128; not deterministic) and fa2's backward on fa3's O and LSE
+(head dims up to 64 and 97-128, deterministic or not) and fa2's backward on fa3's O and LSE
 elsewhere (build_matrix.backward_family). So the forward is checked by the rule on out
 and lse, and whichever backward runs by the rule on dq, dk, dv. Here fa3's backward takes the
 short calls too (fewer than SHORT_Q_ROWS query rows per KV head, which run fa2's backward by
