@@ -9,6 +9,8 @@
 //     dS^T to shared memory; dQ[:, half c] = dS K[:, half c]   SS WGMMA, staged in shared
 //     memory (two buffers) for the dQ writer's bulk reduce-add
 //   and at the end write dK (times softmax_scale) and dV.
+// The roles' code: fa3_bwd_mainloop.h (the producer's loads, the consumers' steps) and
+// fa3_bwd_epilogue.h (the dQ writer, the dK / dV stores).
 // The steps walk every query head of the KV head's group, so dK / dV of a group are summed in
 // registers. Dense or variable-length; causal, window, softcap and ALiBi (fa3_bwd_score.h);
 // deterministic (below); no dropout.
@@ -30,133 +32,24 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
-#include "common/fragment.h"
 #include "common/mask.h"
 #include "common/params.h"
-#include "common/query_tiles.h"
-#include "common/score_mod.h"
 #include "common/seqinfo.h"
+#include "fa3/fa3_bwd_epilogue.h"
+#include "fa3/fa3_bwd_mainloop.h"
 #include "fa3/fa3_bwd_prep.cuh"
-#include "fa3/fa3_bwd_score.h"
 #include "fa3/fa3_bwd_traits.h"
-#include "fa3/fa3_utils.h"
 
 namespace flash::fa3 {
 
-// Named barriers (CUTLASS's user ids: it adds its reserved count, and the hardware has 16).
-// dSFree / dSFull: the consumers around the shared dS tile. Tails: the zeroed tail rows of a
-// tile (below) are in place. dQFull + b / dQEmpty + b: dQ staging buffer b written by the
-// consumers / read by the dQ writer's bulk add.
-enum class BwdBarrier : uint32_t { dSFree = 0, dSFull = 1, Tails = 2, dQFull = 3, dQEmpty = 5 };
-static_assert(uint32_t(BwdBarrier::dQEmpty) + 1 +
-                  cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
-              cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
-constexpr int kdQBarrierThreads = 256 + 32;  // the consumers and the dQ writer warp
-
-// A bulk copy of `bytes` (a multiple of 16) from global into shared memory, counted on `bar`.
-__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes,
-                                          uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-      ::"r"(cute::cast_smem_ptr_to_uint(smem)), "l"(gmem), "r"(bytes),
-      "r"(cute::cast_smem_ptr_to_uint(bar))
-      : "memory");
-}
-
-// dst[0, bytes) += src[0, bytes) in fp32, one bulk async-group (16-byte multiples and alignment).
-// The writers of src order their stores before it with cutlass::arch::fence_view_async_shared.
-__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               "cp.async.bulk.commit_group;" ::"l"(dst),
-               "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
-               : "memory");
-}
-// Until this thread's bulk groups have read their shared-memory sources / are complete.
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-
-// The deterministic mode's turns (the dQ writer's first thread). The proxy fences order the
-// bulk adds (the async proxy) after the acquire and before the release.
-__device__ __forceinline__ void dq_turn_wait(const int* counter, int turn) {
-  int seen;
-  while (true) {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-    if (seen == turn) break;
-    __nanosleep(32);
-  }
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-__device__ __forceinline__ void dq_turn_pass(int* counter) {
-  bulk_wait();
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
-}
-
-// The dQ writer's add of the staged tile at `offset` floats (query tile m_tile of its (batch,
-// head)) into the accumulator: tile t = offset / (kBlockM kHeadDim) of the scratch's 64-row
-// tiles, in copy n_block % dq_copies, whose turn counter is that copy's dq_turns[t].
-// Deterministic mode: in turn, and complete before the turn passes on.
-template <class Tr>
-__device__ __forceinline__ void add_dq_tile(const BwdParams& p, const BwdScratch& s,
-                                            int n_block, int seqlen_q, int seqlen_k, int m_tile,
-                                            int64_t offset, const float* tile) {
-  constexpr int kTile = Tr::kBlockM * Tr::kHeadDim;
-  const int dq_copy = n_block % s.dq_copies;
-  int* turns = nullptr;
-  if (s.dq_turns != nullptr) {
-    turns = s.dq_turns + dq_copy * (s.dq_copy_stride / kTile) + offset / kTile;
-    const int last = last_key_tile_of<Tr::kBlockM, Tr::kBlockN>(Mask(p, seqlen_q, seqlen_k),
-                                                                m_tile, n_block);
-    dq_turn_wait(turns, (last - n_block) / s.dq_copies);
-  }
-  bulk_reduce_add(s.dq + dq_copy * s.dq_copy_stride + offset, tile, Tr::kdQBytes);
-  if (turns != nullptr) {
-    dq_turn_pass(turns);
-  } else {
-    bulk_wait_read();
-  }
-}
-
-// Rows [from, rows) of a (rows, kHeadDim) shared-memory tile set to 0 by the 256 consumer
-// threads: a variable-length sequence's tile runs into the next sequence's rows, or into rows
-// past seqused that may hold anything (NaN times a zero P is NaN).
-template <class Tensor>
-__device__ __forceinline__ void zero_tail_rows(Tensor&& t, int from, int tid) {
-  constexpr int kCols = decltype(size<1>(t))::value, kRows = decltype(size<0>(t))::value;
-  using Element = typename std::decay_t<Tensor>::value_type;
-  for (int i = max(from, 0) * kCols + tid; i < kRows * kCols; i += 256) {
-    t(i / kCols, i % kCols) = Element(0.f);
-  }
-}
-
-// The query tiles [begin, end) that may see a key of key tile n_block (common/query_tiles.h);
-// none for a tile past the sequence's keys.
-template <class Tr>
-struct BwdSteps {
-  int m_begin, m_end, heads_per_kv;
-  __device__ BwdSteps(const BwdParams& p, const Mask& mask, int n_block) {
-    const QueryTiles t = query_tiles<Tr::kBlockM, Tr::kBlockN>(mask, n_block);
-    m_begin = t.begin;
-    m_end = n_block * Tr::kBlockN < mask.seqlen_k ? t.end : 0;
-    heads_per_kv = p.heads / p.heads_k;
-  }
-  __device__ int count() const { return m_end > m_begin ? heads_per_kv * (m_end - m_begin) : 0; }
-};
-
-// kScoreMod: softcap or ALiBi may be on (uniform runtime tests); P and dS then come in one
-// pass after both GEMMs, so no fragment of tanh values stays live.
+// kScoreMod: softcap or ALiBi may be on (BwdMainloop::mma).
 template <class Tr, class Tma, bool kScoreMod>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ Tma tma,
                const BwdScratch s) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Element = typename Tr::Element;
   using Pipeline = typename Tr::Pipeline;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  constexpr int kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Tr::SharedStorage*>(smem_raw);
   const int wg = cutlass::canonical_warp_group_idx();
@@ -185,255 +78,30 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
   __syncthreads();
 
-  Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
-  Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
-  Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemQ{});
-  const int64_t rows_q = s.rows_pad;
-
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (steps.count() == 0) return;
     if (threadIdx.x / 32 == 1) {
-      // The dQ writer: the steps' tiles from buffers 0, 1, 0, ... Buffer b is free for the
-      // consumers' step i once the add of step i - 2 has read it (both free at the start);
-      // no arrive is left without its sync.
-      const int count = steps.count();
-      const bool leader = threadIdx.x == 32;
-      for (int b = 0; b < 2 && b < count; ++b) {
-        cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + b);
-      }
-      const int per_head = steps.m_end - steps.m_begin;
-      #pragma unroll 1
-      for (int i = 0; i < count; ++i) {
-        const int b = i & 1;
-        cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + b);
-        if (leader) {
-          const int head = head_k * steps.heads_per_kv + i / per_head;
-          const int m = steps.m_begin + i % per_head;
-          const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q + m * kBlockM;
-          add_dq_tile<Tr>(p, s, n_block, seqlen_q, seqlen_k, m, row0 * kHeadDim, shared.dq[b]);
-        }
-        __syncwarp();
-        if (i + 2 < count) {
-          cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads,
-                                              uint32_t(BwdBarrier::dQEmpty) + b);
-        }
-      }
-      if (leader) bulk_wait();  // done before the CTA's shared memory goes
+      BwdEpilogue<Tr>::write_dq(p, s, shared, steps, n_block, head_k, batch, seqlen_q,
+                                seqlen_k);
       return;
     }
     if (threadIdx.x != 0) return;
-    const int batches = SeqInfo::view_batch(p), batches_k = SeqInfo::view_batch_k(p);
-    Tensor mQ = tma.q.get_tma_tensor(
-        make_shape(SeqInfo::view_rows_q(p), p.head_dim, p.heads, batches));
-    Tensor mdO = tma.dout.get_tma_tensor(
-        make_shape(SeqInfo::view_rows_q(p), p.head_dim, p.heads, batches));
-    Tensor mK = tma.k.get_tma_tensor(
-        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches_k));
-    Tensor mV = tma.v.get_tma_tensor(
-        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches_k));
-    Tensor gK = local_tile(seq.k_rows(p, mK, head_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                           make_coord(n_block, 0));
-    Tensor gV = local_tile(seq.k_rows(p, mV, head_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                           make_coord(n_block, 0));
-    auto [tKg, tKs] = tma_partition(tma.k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                    group_modes<0, 2>(gK));
-    auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                    group_modes<0, 2>(gV));
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.kv_full,
-                                                                   2 * Tr::kTmaBytesKV);
-    copy(tma.k.with(shared.kv_full), tKg, tKs);
-    copy(tma.v.with(shared.kv_full), tVg, tVs);
-    auto state = cutlass::make_producer_start_state<Pipeline>();
-    #pragma unroll 1
-    for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
-      const int head = head_k * steps.heads_per_kv + hq;
-      Tensor gQ = local_tile(seq.q_rows(p, mQ, head), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                             make_coord(_, 0));
-      Tensor gdO = local_tile(seq.q_rows(p, mdO, head), Shape<Int<kBlockM>, Int<kHeadDim>>{},
-                              make_coord(_, 0));
-      auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                      group_modes<0, 2>(gQ));
-      auto [tdOg, tdOs] = tma_partition(tma.dout, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q;
-      #pragma unroll 1
-      for (int m = steps.m_begin; m < steps.m_end; ++m) {
-        pipe_q.producer_acquire(state);
-        uint64_t* bar_q = pipe_q.producer_get_barrier(state);
-        copy(tma.q.with(*bar_q), tQg(_, m), tQs(_, state.index()));
-        bulk_load(shared.lse[state.index()], s.lse2 + row0 + m * kBlockM, Tr::kRowBytes, bar_q);
-        pipe_do.producer_acquire(state);
-        uint64_t* bar_do = pipe_do.producer_get_barrier(state);
-        copy(tma.dout.with(*bar_do), tdOg(_, m), tdOs(_, state.index()));
-        bulk_load(shared.dsum[state.index()], s.dsum + row0 + m * kBlockM, Tr::kRowBytes,
-                  bar_do);
-        ++state;
-      }
-    }
+    BwdMainloop<Tr>::load(p, tma, s, shared, pipe_q, pipe_do, seq, steps, n_block, head_k,
+                          batch);
     return;
   }
 
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
   const int cw = wg - 1;  // keys [64 cw, 64 cw + 64) of the tile
-  const int wg_tid = threadIdx.x % 128;
-  typename Tr::MmaSt mma_st;
   typename Tr::MmaKV mma_kv;
-  typename Tr::MmadQ mma_dq;
-  auto thr_st = mma_st.get_thread_slice(wg_tid);
-  auto thr_kv = mma_kv.get_thread_slice(wg_tid);
-  auto thr_dq = mma_dq.get_thread_slice(wg_tid);
-  Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQt{});
-  Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemQt{});
-  Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKt{});
-  Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Tr::SmemdSt{});
-  Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Tr::SmemdS{});
-
-  Tensor sK_wg = local_tile(sK, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
-  Tensor sV_wg = local_tile(sV, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
-  Tensor tSrK = thr_st.partition_fragment_A(sK_wg);    // (MMA, M, K)
-  Tensor tSrQ = thr_st.partition_fragment_B(sQ);       // (MMA, N, K, stage)
-  Tensor tdPrV = thr_st.partition_fragment_A(sV_wg);
-  Tensor tdPrdO = thr_st.partition_fragment_B(sdO);
-  Tensor tdVrdO = thr_kv.partition_fragment_B(sdOt);   // (MMA, N, K, stage)
-  Tensor tdKrQ = thr_kv.partition_fragment_B(sQt);
-  Tensor sKt_c = local_tile(sKt, Shape<Int<kHeadDim / 2>, Int<kBlockN>>{}, make_coord(cw, 0));
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, M, K)
-  Tensor tdQrK = thr_dq.partition_fragment_B(sKt_c);   // (MMA, N, K)
-  Tensor sdSt_wg = local_tile(sdSt, Shape<_64, Int<kBlockM>>{}, make_coord(cw, 0));
-  // dS^T from registers by stmatrix (four 8 x 8 blocks an instruction).
-  auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_st);
-  auto r2s_thr = r2s_ds.get_thread_slice(wg_tid);
-  Tensor tdSsdS = r2s_thr.partition_D(sdSt_wg);
-
   Tensor acc_dk = partition_fragment_C(mma_kv, Shape<_64, Int<kHeadDim>>{});
   Tensor acc_dv = partition_fragment_C(mma_kv, Shape<_64, Int<kHeadDim>>{});
   clear(acc_dk);
   clear(acc_dv);
-  Tensor cS = thr_st.partition_C(make_identity_tensor(Shape<_64, Int<kBlockM>>{}));  // (key, row)
-  const int key0 = n_block * kBlockN + 64 * cw;
-  const BwdScore score(p, mask);
-  // Dense tiles read zeros past the sequence (TMA fills rows out of bounds); variable-length
-  // ones read other rows, which the consumers zero in shared memory.
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  const int tid = threadIdx.x - 128;
-
-  if (steps.count() > 0) {
-    cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
-    if (varlen && (n_block + 1) * kBlockN > seqlen_k) {
-      zero_tail_rows(sK, seqlen_k - n_block * kBlockN, tid);
-      zero_tail_rows(sV, seqlen_k - n_block * kBlockN, tid);
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Tails));
-    }
-    typename Tr::PipelineState state;
-    int buf = 0;  // the dQ staging buffer of this step
-    #pragma unroll 1
-    for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
-      const int head = head_k * steps.heads_per_kv + hq;
-      ScoreMod mod;
-      if constexpr (kScoreMod) mod = ScoreMod(p, seq, head);
-      #pragma unroll 1
-      for (int m = steps.m_begin; m < steps.m_end; ++m) {
-        const int stage = state.index();
-        Tensor acc_s = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
-        Tensor acc_dp = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
-        pipe_q.consumer_wait(state);
-        if (varlen && (m + 1) * kBlockM > seqlen_q) {
-          pipe_do.consumer_wait(state);
-          zero_tail_rows(sQ(_, _, stage), seqlen_q - m * kBlockM, tid);
-          zero_tail_rows(sdO(_, _, stage), seqlen_q - m * kBlockM, tid);
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Tails));
-        }
-        wgmma(mma_st, tSrK, tSrQ(_, _, _, stage), acc_s, true);
-        pipe_do.consumer_wait(state);
-        wgmma(mma_st, tdPrV, tdPrdO(_, _, _, stage), acc_dp, true);
-        const float* lse = shared.lse[stage];
-        const float* dsum = shared.dsum[stage];
-        const bool masked = score.masked<kBlockM>(key0, m * kBlockM);
-        if constexpr (!kScoreMod) {
-          // P while dP's GEMM runs, then dS.
-          warpgroup_wait<1>();
-          warpgroup_fence_operand(acc_s);  // no read of S above the wait
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_s); ++i) {
-            const int r = get<1>(cS(i));
-            const int key = key0 + get<0>(cS(i));
-            acc_s(i) = score.prob(acc_s(i), key, m * kBlockM + r, lse[r], masked);
-          }
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_dp);
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_dp); ++i) {
-            acc_dp(i) = acc_s(i) * (acc_dp(i) - dsum[get<1>(cS(i))]);
-          }
-        } else {
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_s);
-          warpgroup_fence_operand(acc_dp);
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_s); ++i) {
-            const int r = get<1>(cS(i));
-            float dtanh;
-            const float pv = score.prob(acc_s(i), key0 + get<0>(cS(i)), m * kBlockM + r, lse[r],
-                                        masked, mod, dtanh);
-            acc_s(i) = pv;
-            acc_dp(i) = pv * (acc_dp(i) - dsum[r]) * dtanh;
-          }
-        }
-        Tensor rP = flash::convert_fragment<Element>(acc_s);
-        Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-        wgmma(mma_kv, tdVrP, tdVrdO(_, _, _, stage), acc_dv, false);
-        Tensor rdS = flash::convert_fragment<Element>(acc_dp);
-        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
-        wgmma(mma_kv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk, false);
-        // dS^T into shared memory once both consumers' last dQ GEMMs have read it.
-        cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFree));
-        copy(r2s_ds, r2s_thr.retile_S(rdS), tdSsdS);
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim / 2>>{});
-        wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
-        warpgroup_wait<0>();
-        // rP and rdS are read by the dV / dK WGMMAs until this wait: their registers must not
-        // be given to acc_dq before it (the compiler does not know the asynchronous reads).
-        warpgroup_fence_operand(rP);
-        warpgroup_fence_operand(rdS);
-        pipe_q.consumer_release(state);
-        pipe_do.consumer_release(state);
-        ++state;
-        // This step's dQ into buffer buf, in the accumulator's order (dq_tile_index), which the
-        // global accumulator keeps: one bulk add of the whole tile, by the dQ writer.
-        cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + buf);
-        float4* dq_s = reinterpret_cast<float4*>(shared.dq[buf]);
-        CUTE_UNROLL
-        for (int j = 0; j < size(acc_dq) / 4; ++j) {
-          dq_s[j * 256 + 128 * cw + wg_tid] =
-              make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
-        }
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + buf);
-        buf ^= 1;
-      }
-    }
-  }
-
-  // dK (times softmax_scale) and dV of this consumer's keys below seqlen_k.
-  Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
-  using Raw = typename Tr::Raw;
-  Raw* dk = static_cast<Raw*>(p.dk) + seq.dk_offset(p, head_k);
-  Raw* dv = static_cast<Raw*>(p.dv) + seq.dv_offset(p, head_k);
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc_dk); i += 2) {
-    const int key = key0 + get<0>(cKV(i)), c = get<1>(cKV(i));
-    if (key < seq.rows_k(p) && c < p.head_dim) {
-      store2(dk + int64_t(key) * p.dk_strides.row + c, acc_dk(i) * p.softmax_scale,
-             acc_dk(i + 1) * p.softmax_scale);
-      store2(dv + int64_t(key) * p.dv_strides.row + c, acc_dv(i), acc_dv(i + 1));
-    }
-  }
+  BwdMainloop<Tr>::template mma<kScoreMod>(p, shared, pipe_q, pipe_do, seq, mask, steps,
+                                           n_block, head_k, cw, acc_dk, acc_dv);
+  BwdEpilogue<Tr>::store_dkdv(p, seq, head_k, n_block * kBlockN + 64 * cw, acc_dk, acc_dv);
 #endif
 }
 

@@ -1,0 +1,138 @@
+// The FA3 backward's gradients out (fa3_bwd_kernel.cuh): the dQ writer warp's bulk reduce-adds
+// of the consumers' staged dQ tiles into the fp32 accumulator (in turn in deterministic mode),
+// and the consumers' dK / dV stores.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "common/mask.h"
+#include "common/params.h"
+#include "common/query_tiles.h"
+#include "common/seqinfo.h"
+#include "fa3/fa3_bwd_prep.cuh"
+#include "fa3/fa3_bwd_traits.h"
+#include "fa3/fa3_utils.h"
+
+namespace flash::fa3 {
+
+// dst[0, bytes) += src[0, bytes) in fp32, one bulk async-group (16-byte multiples and alignment).
+// The writers of src order their stores before it with cutlass::arch::fence_view_async_shared.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;" ::"l"(dst),
+               "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
+               : "memory");
+}
+// Until this thread's bulk groups have read their shared-memory sources / are complete.
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// The deterministic mode's turns (the dQ writer's first thread). The proxy fences order the
+// bulk adds (the async proxy) after the acquire and before the release.
+__device__ __forceinline__ void dq_turn_wait(const int* counter, int turn) {
+  int seen;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    if (seen == turn) break;
+    __nanosleep(32);
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+__device__ __forceinline__ void dq_turn_pass(int* counter) {
+  bulk_wait();
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
+// The dQ writer's add of the staged tile at `offset` floats (query tile m_tile of its (batch,
+// head)) into the accumulator: tile t = offset / (kBlockM kHeadDim) of the scratch's 64-row
+// tiles, in copy n_block % dq_copies, whose turn counter is that copy's dq_turns[t].
+// Deterministic mode: in turn, and complete before the turn passes on.
+template <class Tr>
+__device__ __forceinline__ void add_dq_tile(const BwdParams& p, const BwdScratch& s,
+                                            int n_block, int seqlen_q, int seqlen_k, int m_tile,
+                                            int64_t offset, const float* tile) {
+  constexpr int kTile = Tr::kBlockM * Tr::kHeadDim;
+  const int dq_copy = n_block % s.dq_copies;
+  int* turns = nullptr;
+  if (s.dq_turns != nullptr) {
+    turns = s.dq_turns + dq_copy * (s.dq_copy_stride / kTile) + offset / kTile;
+    const int last = last_key_tile_of<Tr::kBlockM, Tr::kBlockN>(Mask(p, seqlen_q, seqlen_k),
+                                                                m_tile, n_block);
+    dq_turn_wait(turns, (last - n_block) / s.dq_copies);
+  }
+  bulk_reduce_add(s.dq + dq_copy * s.dq_copy_stride + offset, tile, Tr::kdQBytes);
+  if (turns != nullptr) {
+    dq_turn_pass(turns);
+  } else {
+    bulk_wait_read();
+  }
+}
+
+template <class Tr>
+struct BwdEpilogue {
+  static constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+
+  // The dQ writer (the producer warpgroup's second warp): the steps' tiles from buffers 0, 1,
+  // 0, ... Buffer b is free for the consumers' step i once the add of step i - 2 has read it
+  // (both free at the start); no arrive is left without its sync.
+  template <class Steps>
+  static __device__ __forceinline__ void write_dq(const BwdParams& p, const BwdScratch& s,
+                                                  typename Tr::SharedStorage& shared,
+                                                  const Steps& steps, int n_block, int head_k,
+                                                  int batch, int seqlen_q, int seqlen_k) {
+    const int64_t rows_q = s.rows_pad;
+    const int count = steps.count();
+    const bool leader = threadIdx.x == 32;
+    for (int b = 0; b < 2 && b < count; ++b) {
+      cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + b);
+    }
+    const int per_head = steps.m_end - steps.m_begin;
+    #pragma unroll 1
+    for (int i = 0; i < count; ++i) {
+      const int b = i & 1;
+      cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + b);
+      if (leader) {
+        const int head = head_k * steps.heads_per_kv + i / per_head;
+        const int m = steps.m_begin + i % per_head;
+        const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q + m * kBlockM;
+        add_dq_tile<Tr>(p, s, n_block, seqlen_q, seqlen_k, m, row0 * kHeadDim, shared.dq[b]);
+      }
+      __syncwarp();
+      if (i + 2 < count) {
+        cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads,
+                                            uint32_t(BwdBarrier::dQEmpty) + b);
+      }
+    }
+    if (leader) bulk_wait();  // done before the CTA's shared memory goes
+  }
+
+  // dK (times softmax_scale) and dV of consumer cw's keys below the sequence's rows.
+  template <class Acc>
+  static __device__ __forceinline__ void store_dkdv(const BwdParams& p, const SeqInfo& seq,
+                                                    int head_k, int key0, const Acc& acc_dk,
+                                                    const Acc& acc_dv) {
+    typename Tr::MmaKV mma_kv;
+    auto thr_kv = mma_kv.get_thread_slice(threadIdx.x % 128);
+    Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+    using Raw = typename Tr::Raw;
+    Raw* dk = static_cast<Raw*>(p.dk) + seq.dk_offset(p, head_k);
+    Raw* dv = static_cast<Raw*>(p.dv) + seq.dv_offset(p, head_k);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); i += 2) {
+      const int key = key0 + get<0>(cKV(i)), c = get<1>(cKV(i));
+      if (key < seq.rows_k(p) && c < p.head_dim) {
+        store2(dk + int64_t(key) * p.dk_strides.row + c, acc_dk(i) * p.softmax_scale,
+               acc_dk(i + 1) * p.softmax_scale);
+        store2(dv + int64_t(key) * p.dv_strides.row + c, acc_dv(i), acc_dv(i + 1));
+      }
+    }
+  }
+};
+
+}  // namespace flash::fa3
