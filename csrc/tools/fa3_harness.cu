@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "fa3/fa3_fwd_launch.cuh"
+#include "tools/harness_timing.h"
 
 #ifndef FA3_HDIM
 #define FA3_HDIM 128
@@ -152,21 +153,12 @@ int main(int argc, char** argv) {
     }
     const bool ok = !check || (err < 1e-2 && lse_err < 1e-3);  // bf16 O: ~2^-9 relative
     all_ok = all_ok && ok;
-    cudaEvent_t t0, t1;
-    cudaEventCreate(&t0);
-    cudaEventCreate(&t1);
-    for (int i = 0; i < 3; ++i) launch();
-    cudaEventRecord(t0);
-    for (int i = 0; i < iters; ++i) launch();
-    cudaEventRecord(t1);
-    cudaEventSynchronize(t1);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, t0, t1);
+    const float ms = ms_per_launch(launch, iters);
     const double flops = 4.0 * b * h * double(sq) * sk * kD * (causal ? 0.5 : 1.0);
     printf("fa3 %-22s hdim %d b=%d sq=%d sk=%d h=%d hk=%d causal=%d: max |O err| %.3e, "
            "max |lse err| %.3e -> %s; %.3f ms, %.1f TFLOP/s\n", name, kD, b, sq, sk, h, hk,
-           causal, err, lse_err, !check ? "unchecked" : ok ? "OK" : "FAIL", ms / iters,
-           flops / (ms / iters * 1e-3) / 1e12);
+           causal, err, lse_err, !check ? "unchecked" : ok ? "OK" : "FAIL", ms,
+           flops / (ms * 1e-3) / 1e12);
   };
   // The variants compared; argv[7] picks one.
   using flash::fa3::FwdKernel, flash::fa3::FwdPlan, flash::fa3::Schedule, flash::fa3::TileShape;
