@@ -96,7 +96,7 @@ def test_fa3_features(no_fallback_warning, feature):
 
 def test_training_on_sm90_runs_fa3_with_its_or_fa2s_backward(no_fallback_warning):
     b = built("fa1", "fa2", "fa3")
-    assert {c.hdim for c in b if c.family == "fa3" and c.direction == "bwd"} == {64, 128}
+    assert {c.hdim for c in b if c.family == "fa3" and c.direction == "bwd"} == {64, 96, 128}
     for hdim in (64, 128):
         assert D.why_not("fa3", 90, "fp16", hdim, (), ("fwd", "bwd"), b) is None
     assert choose(90, need_bwd=True) == "fa3"
@@ -120,8 +120,8 @@ def test_fa3_gradient_needs_its_backward_kernels_at_128():
 
 
 def test_fa3_gradient_needs_fa2s_backward_kernels():
-    # fa2's forward kernels only: fa3 can run a forward but not its gradient at head dim 96
-    # (fa3's backward is 64 and 128 only), nor can fa2.
+    # fa2's forward kernels only: fa3 can run a forward but not the gradient of a short call
+    # (fa3's backward leaves those to fa2's), nor can fa2.
     b = built("fa1", "fa3") | built("fa2", directions=("fwd",))
     with warnings.catch_warnings():
         warnings.simplefilter("error", D.BackendFallbackWarning)
@@ -129,12 +129,12 @@ def test_fa3_gradient_needs_fa2s_backward_kernels():
     no_bwd = (r"this build has no fa2 bwd kernel \(which computes fa3's gradient\) for fp16 "
               r"head dim 96 \(built: fwd bf16 hdim32, .*\); rebuild with FLASH_ATTN_FAMILIES")
     with pytest.warns(D.BackendFallbackWarning, match=r"running fa1 instead of fa3, the preferred family on sm90, because " + no_bwd):
-        assert D.choose(90, "fp16", 96, (), need_bwd=True, built=b) == "fa1"
+        assert D.choose(90, "fp16", 96, {"short_q"}, need_bwd=True, built=b) == "fa1"
     with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call \(sm90, fp16, head dim 96, fwd\+bwd, .*\): " + no_bwd):
-        D.choose(90, "fp16", 96, (), "fa3", need_bwd=True, built=b)
+        D.choose(90, "fp16", 96, {"short_q"}, "fa3", need_bwd=True, built=b)
     # Without fa2 at all nothing else runs the call; the error says what fa3 lacks.
     with pytest.raises(NotImplementedError, match=r"fa3: this build has no fa2 bwd kernel \(which computes fa3's gradient\) for bf16 head dim 96 \(built: none\)"):
-        D.choose(90, "bf16", 96, (), need_bwd=True, built=built("fa3"))
+        D.choose(90, "bf16", 96, {"short_q"}, need_bwd=True, built=built("fa3"))
     # fa2's backward for some head dims only: fa3's gradient runs where it has one.
     b = built("fa3") | frozenset(c for c in built("fa2") if c.hdim <= 128)
     assert D.why_not("fa3", 90, "fp16", 100, (), ("fwd", "bwd"), b) is None
@@ -150,7 +150,7 @@ def test_fa3_gradient_needs_what_fa2s_backward_supports(monkeypatch):
     monkeypatch.setattr(build_matrix, "FAMILIES", families)
     b = built("fa2", "fa3")
     assert D.why_not("fa3", 90, "fp16", 96, {"alibi"}, ("fwd",), b) is None
-    assert D.why_not("fa3", 90, "fp16", 96, {"alibi"}, ("fwd", "bwd"), b) == (
+    assert D.why_not("fa3", 90, "fp16", 96, {"alibi", "short_q"}, ("fwd", "bwd"), b) == (
         "the fa2 bwd kernel (which computes fa3's gradient): fa2 does not support alibi_slopes")
 
 
@@ -392,7 +392,7 @@ def test_dropout_on_sm90_runs_fa2_through_the_call(fake_ext):
 
 
 def test_fa3_gradient_runs_fa3s_backward_where_it_takes_the_call(fake_ext):
-    # Head dim 64 or 128, at least SHORT_Q_ROWS query rows per KV head: fa3's backward, with
+    # Head dim 64, 96 or 128, at least SHORT_Q_ROWS query rows per KV head: fa3's backward, with
     # or without a mask or score mod, deterministic or not; fewer rows or another head dim:
     # fa2's, on the same O and LSE.
     fake_ext.arch = 90
@@ -404,7 +404,7 @@ def test_fa3_gradient_runs_fa3s_backward_where_it_takes_the_call(fake_ext):
             (128, dict(sq=rows), {"deterministic": True}, "fa3"),
             (128, dict(sq=rows), {"window_size": (2, 0)}, "fa3"),
             (128, dict(sq=rows), {"softcap": 5.0}, "fa3"), (64, dict(sq=rows), {}, "fa3"),
-            (96, dict(sq=rows), {}, "fa2"), (192, dict(sq=rows), {"causal": True}, "fa2")):
+            (96, dict(sq=rows), {}, "fa3"), (192, dict(sq=rows), {"causal": True}, "fa2")):
         q, k, v = (t.requires_grad_() for t in _qkv(d=d, **shape))
         flash_attn.flash_attn_func(q, k, v, **kwargs).float().sum().backward()
         assert [c[:2] for c in fake_ext.calls[-2:]] == [("fwd", "fa3"), ("bwd", bwd)], (

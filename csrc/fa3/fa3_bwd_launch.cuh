@@ -42,8 +42,8 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
 
 template <typename T, int kHeadDim>
 void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
-  static_assert(kHeadDim == 64 || kHeadDim == 128,
-                "build_matrix lists fa3's backward at head dims 64 and 128 only");
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128,
+                "build_matrix lists fa3's backward at head dims 64, 96 and 128 only");
   using Tr = BwdTraits<T, kHeadDim>;
   using Element = typename Tr::Element;
   if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
@@ -54,7 +54,7 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   }
   const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
-  constexpr int kRowsPerStep = kBwdPrepThreads / (kHeadDim / 8);
+  constexpr int kRowsPerStep = kBwdPrepThreads / bwd_prep_lanes<kHeadDim>();
   const int64_t prep_blocks = std::min<int64_t>((rows + kRowsPerStep - 1) / kRowsPerStep,
                                                 int64_t(std::max(p.num_sms, 1)) * 16);
   bwd_prep_kernel<T, kHeadDim><<<unsigned(prep_blocks), kBwdPrepThreads, 0, stream>>>(p, s);

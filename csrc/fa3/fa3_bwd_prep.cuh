@@ -23,6 +23,12 @@ namespace flash::fa3 {
 
 constexpr int kBwdRowPad = 64;  // BwdTraits::kBlockM
 constexpr int kBwdPrepThreads = 256;
+// The preprocess's lanes a row: 16 bytes of dO and O each, rounded up to a power of two (the
+// shuffle reduction; at head dim 96 four of 16 lanes idle).
+template <int kHeadDim>
+constexpr int bwd_prep_lanes() {
+  return kHeadDim / 8 <= 8 ? 8 : kHeadDim / 8 <= 16 ? 16 : 32;
+}
 
 struct BwdScratch {
   float* lse2;
@@ -52,18 +58,18 @@ __device__ __forceinline__ void store2(T* ptr, float a, float b) {
   }
 }
 
-// kHeadDim / 8 lanes a row, 16 bytes of dO and O each.
+// bwd_prep_lanes lanes a row, 16 bytes of dO and O each.
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kBwdPrepThreads)
     bwd_prep_kernel(const __grid_constant__ BwdParams p, const BwdScratch s) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kLanes = kHeadDim / 8, kRowsPerStep = kBwdPrepThreads / kLanes;
-  static_assert(kLanes <= 32 && 32 % kLanes == 0);
+  constexpr int kLanes = bwd_prep_lanes<kHeadDim>(), kRowsPerStep = kBwdPrepThreads / kLanes;
+  static_assert(kLanes * 8 >= kHeadDim && 32 % kLanes == 0);
   const int64_t total = int64_t(p.batch) * p.heads * s.rows_pad;
   const int lane = threadIdx.x % kLanes;
   for (int64_t row = int64_t(blockIdx.x) * kRowsPerStep + threadIdx.x / kLanes; row < total;
        row += int64_t(gridDim.x) * kRowsPerStep) {
-    for (int c = 0; c < s.dq_copies; ++c) {
+    for (int c = 0; c < s.dq_copies && lane * 8 < kHeadDim; ++c) {
       float4* dq = reinterpret_cast<float4*>(s.dq + c * s.dq_copy_stride + row * kHeadDim +
                                              lane * 8);
       dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);

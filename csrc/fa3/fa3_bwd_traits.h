@@ -25,7 +25,8 @@ struct BwdTraits {
   static constexpr int kConsumers = 2;  // warpgroups, 64 keys each
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "the backward's tile: head dim 64 or 128");
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128,
+                "the backward's tile: head dim 64, 96 or 128");
 
   // One warpgroup's S^T = K Q^T and dP^T = V dO^T (both operands K-major in shared memory).
   using ShapeSt = Shape<_64, Int<kBlockM>, Int<kHeadDim>>;
@@ -40,12 +41,19 @@ struct BwdTraits {
   using MmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, ShapedQ, GMMA::Major::MN, GMMA::Major::MN>()));
 
+  // The widest swizzle whose rows (128, 64 or 32 bytes: 64, 32 or 16 elements) divide n.
+  template <int n>
+  using SwizzleFor = std::conditional_t<
+      n % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+      std::conditional_t<n % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>,
+                         GMMA::Layout_K_SW32_Atom<Element>>>;
+  // Q and dO: rows of kHeadDim. K and V: the dQ GEMM reads K as (head_dim, keys) MN-major in
+  // halves of kHeadDim / 2 columns, which the swizzle rows must divide (64: the 64-byte one,
+  // 96: the 32-byte one).
+  using SwizzleAtomQ = SwizzleFor<kHeadDim>;
+  using SwizzleAtomKV = SwizzleFor<kHeadDim / 2>;
   using SwizzleAtom = GMMA::Layout_K_SW128_Atom<Element>;  // rows of 64 elements
-  // The dQ GEMM reads K as (head_dim, keys) MN-major in halves of kHeadDim / 2 columns; a
-  // 128-byte swizzle needs 64 of them, so at head dim 64 K and V take the 64-byte one.
-  using SwizzleAtomKV = std::conditional_t<kHeadDim / 2 < 64, GMMA::Layout_K_SW64_Atom<Element>,
-                                           SwizzleAtom>;
-  using SmemQ = decltype(tile_to_shape(SwizzleAtom{},
+  using SmemQ = decltype(tile_to_shape(SwizzleAtomQ{},
                                        Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemQt = decltype(composition(
       SmemQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
