@@ -243,12 +243,12 @@ struct BwdMainloop {
             acc_dp(i) = pv * (acc_dp(i) - dsum[r]) * dtanh;
           }
         }
+        // dV's GEMM under dS^T's store; then dQ before dK, so that dQ's staging below runs
+        // under dK's GEMM (WGMMA groups complete in order).
         Tensor rP = flash::convert_fragment<Element>(acc_s);
         Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
         wgmma(mma_kv, tdVrP, tdVrdO(_, _, _, stage), acc_dv, false);
         Tensor rdS = flash::convert_fragment<Element>(acc_dp);
-        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
-        wgmma(mma_kv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk, false);
         // dS^T into shared memory once both consumers' last dQ GEMMs have read it.
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFree));
         copy(r2s_ds, r2s_thr.retile_S(rdS), tdSsdS);
@@ -256,14 +256,14 @@ struct BwdMainloop {
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim / 2>>{});
         wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
-        warpgroup_wait<0>();
-        // rP and rdS are read by the dV / dK WGMMAs until this wait: their registers must not
-        // be given to acc_dq before it (the compiler does not know the asynchronous reads).
+        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
+        wgmma(mma_kv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk, false);
+        warpgroup_wait<1>();  // dV and dQ
+        // rP is read by dV's WGMMA until this wait: its registers must not be reused before
+        // it (the compiler does not know the asynchronous reads); likewise rdS below.
         warpgroup_fence_operand(rP);
-        warpgroup_fence_operand(rdS);
-        pipe_q.consumer_release(state);
+        warpgroup_fence_operand(acc_dq);
         pipe_do.consumer_release(state);
-        ++state;
         // This step's dQ into buffer buf, in the accumulator's order (dq_tile_index), which the
         // global accumulator keeps: one bulk add of the whole tile, by the dQ writer.
         cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + buf);
@@ -276,6 +276,10 @@ struct BwdMainloop {
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + buf);
         buf ^= 1;
+        warpgroup_wait<0>();  // dK
+        warpgroup_fence_operand(rdS);
+        pipe_q.consumer_release(state);
+        ++state;
       }
     }
 
