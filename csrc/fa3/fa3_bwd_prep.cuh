@@ -113,19 +113,25 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
 // dq = softmax_scale * accumulator. The accumulator holds each 64-row tile in the order the
 // main kernel stages it for its bulk adds (float4 j of consumer c's thread t at j * 256 +
 // 128 c + t): a block takes a tile, each thread its 32 values, whose (row, column) the dQ
-// MMA's thread layout gives.
+// MMA's thread layout gives. All of a thread's loads are issued before its first store (the
+// loads and stores may alias for the compiler, so it keeps the order it is given), and the
+// tile goes out through shared memory as 16-byte row pieces, not 4-byte ones.
 template <class Tr>
 __global__ void __launch_bounds__(kBwdPrepThreads)
     bwd_convert_dq_kernel(const __grid_constant__ BwdParams p, const BwdScratch s) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = typename Tr::Raw;
   constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  // Rows padded by 16 bytes: the (row, column) stores below hit 32 banks.
+  constexpr int kRowElems = kHeadDim + 8, kPieces = kHeadDim / 8;
+  __shared__ __align__(16) T tile_s[kBlockM * kRowElems];
   pdl_wait();  // the main kernel's adds (a no-op without programmatic launch)
   static_assert(kBwdPrepThreads == 256 && kBwdRowPad == kBlockM);
   const int cw = threadIdx.x / 128, tid = threadIdx.x % 128;
   typename Tr::MmadQ mma_dq;
   Tensor cdQ = mma_dq.get_thread_slice(tid).partition_C(
       make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim / 2>>{}));
+  constexpr int kVecs = decltype(size(cdQ))::value / 4;
   static_assert(decltype(size(cdQ))::value % 4 == 0);
   const int64_t tiles_per_head = s.rows_pad / kBlockM;
   const int64_t tiles = int64_t(p.batch) * p.heads * tiles_per_head;
@@ -133,28 +139,43 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     const int64_t bh = tile / tiles_per_head;
     const int row0 = int(tile % tiles_per_head) * kBlockM, h = int(bh % p.heads);
     const SeqInfo seq(p, int(bh / p.heads));
-    const float* src = s.dq + tile * kBlockM * kHeadDim;
+    const float4* src = reinterpret_cast<const float4*>(s.dq + tile * kBlockM * kHeadDim);
+    float4 v[kVecs];
+    CUTE_UNROLL
+    for (int j = 0; j < kVecs; ++j) v[j] = src[j * 256 + threadIdx.x];
+    for (int c = 1; c < s.dq_copies; ++c) {  // in order: deterministic
+      const float4* more = src + c * s.dq_copy_stride / 4;
+      CUTE_UNROLL
+      for (int j = 0; j < kVecs; ++j) {
+        const float4 w = more[j * 256 + threadIdx.x];
+        v[j].x += w.x, v[j].y += w.y, v[j].z += w.z, v[j].w += w.w;
+      }
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < kVecs; ++j) {
+      const int r = get<0>(cdQ(4 * j)), c = kHeadDim / 2 * cw + get<1>(cdQ(4 * j));
+      const int r2 = get<0>(cdQ(4 * j + 2)), c2 = kHeadDim / 2 * cw + get<1>(cdQ(4 * j + 2));
+      store2(tile_s + r * kRowElems + c, v[j].x * p.softmax_scale, v[j].y * p.softmax_scale);
+      store2(tile_s + r2 * kRowElems + c2, v[j].z * p.softmax_scale, v[j].w * p.softmax_scale);
+    }
+    __syncthreads();
     T* dq = static_cast<T*>(p.dq) + seq.dq_offset(p, h);
     const int rows = seq.rows_q(p);
-    CUTE_UNROLL
-    for (int j = 0; j < size(cdQ) / 4; ++j) {
-      float4 v = reinterpret_cast<const float4*>(src)[j * 256 + threadIdx.x];
-      for (int c = 1; c < s.dq_copies; ++c) {  // in order: deterministic
-        const float4 w =
-            reinterpret_cast<const float4*>(src + c * s.dq_copy_stride)[j * 256 + threadIdx.x];
-        v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
-      }
-      const float x[4] = {v.x, v.y, v.z, v.w};
-      CUTE_UNROLL
-      for (int e = 0; e < 4; e += 2) {
-        const int r = row0 + get<0>(cdQ(4 * j + e));
-        const int c = kHeadDim / 2 * cw + get<1>(cdQ(4 * j + e));
-        if (r < rows && c < p.head_dim) {
-          store2(dq + int64_t(r) * p.dq_strides.row + c, x[e] * p.softmax_scale,
-                 x[e + 1] * p.softmax_scale);
+    const bool whole = reinterpret_cast<uintptr_t>(dq) % 16 == 0 && p.dq_strides.row % 8 == 0;
+    for (int i = threadIdx.x; i < kBlockM * kPieces; i += 256) {
+      const int r = i / kPieces, c = i % kPieces * 8;
+      if (row0 + r >= rows || c >= p.head_dim) continue;
+      const T* from = tile_s + r * kRowElems + c;
+      T* to = dq + int64_t(row0 + r) * p.dq_strides.row + c;
+      if (whole) {
+        *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+      } else {
+        for (int e = 0; e < 8; e += 2) {
+          *reinterpret_cast<uint32_t*>(to + e) = *reinterpret_cast<const uint32_t*>(from + e);
         }
       }
     }
+    __syncthreads();  // before the next tile's stores into tile_s
   }
 #endif
 }
