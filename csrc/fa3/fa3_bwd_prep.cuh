@@ -161,18 +161,12 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     __syncthreads();
     T* dq = static_cast<T*>(p.dq) + seq.dq_offset(p, h);
     const int rows = seq.rows_q(p);
-    const bool whole = reinterpret_cast<uintptr_t>(dq) % 16 == 0 && p.dq_strides.row % 8 == 0;
+    // dq is 16-byte aligned with strides of multiples of 8 (the API's check_kernel_tensor).
     for (int i = threadIdx.x; i < kBlockM * kPieces; i += 256) {
       const int r = i / kPieces, c = i % kPieces * 8;
-      if (row0 + r >= rows || c >= p.head_dim) continue;
-      const T* from = tile_s + r * kRowElems + c;
-      T* to = dq + int64_t(row0 + r) * p.dq_strides.row + c;
-      if (whole) {
-        *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
-      } else {
-        for (int e = 0; e < 8; e += 2) {
-          *reinterpret_cast<uint32_t*>(to + e) = *reinterpret_cast<const uint32_t*>(from + e);
-        }
+      if (row0 + r < rows && c < p.head_dim) {
+        *reinterpret_cast<uint4*>(dq + int64_t(row0 + r) * p.dq_strides.row + c) =
+            *reinterpret_cast<const uint4*>(tile_s + r * kRowElems + c);
       }
     }
     __syncthreads();  // before the next tile's stores into tile_s
