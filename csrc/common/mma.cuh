@@ -1,5 +1,6 @@
 // Warp-level tensor-core primitives shared by the mma.sync families (FA1, FA2):
-// ldmatrix, the m16n8k16 MMA, fp32 <-> fp16/bf16 packing, and 16-byte async copies.
+// ldmatrix, the m16n8k16 MMA, fp32 <-> fp16/bf16 packing, and 16-byte async copies; and the
+// sm90 bulk copies and bulk reduce-adds that FA2 and FA3 use without CuTe.
 //
 // Fragment layouts (PTX ISA, "mma.m16n8k16"), with g = lane / 4 and t = lane % 4:
 //   A 16x16 (row-major) a[0]: (g,   2t..2t+1)  a[1]: (g+8, 2t..2t+1)
@@ -173,6 +174,29 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// sm90 bulk reduce-add (FA2's and FA3's dQ accumulators): dst[0 .. bytes) += src[0 .. bytes),
+// fp32, shared -> global, as one bulk async-group (bytes a multiple of 16, both 16-byte
+// aligned). The writers of src order their stores before it with fence_proxy_async.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               "cp.async.bulk.commit_group;" ::"l"(dst), "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+#endif
+}
+// Until the bulk groups this thread issued have read their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_read() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+#endif
+}
+// Until the bulk groups this thread issued are complete (their writes done).
+__device__ __forceinline__ void bulk_wait_complete() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 #endif
 }
 

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "common/mma.cuh"
 #include "common/params.h"
 #include "common/pdl.h"
 #include "common/seqinfo.h"
@@ -110,24 +111,6 @@ constexpr bool kHasBulkReduce = false;
 __device__ __forceinline__ void fence_async_shared() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-
-// dst[0 .. bytes) += src[0 .. bytes), fp32, as one bulk async-group (bytes a multiple of 16,
-// both 16-byte aligned).
-__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(src));
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               "cp.async.bulk.commit_group;" ::"l"(dst), "r"(s), "r"(bytes)
-               : "memory");
-#endif
-}
-
-// Waits until the bulk copies this thread issued have read their shared-memory source.
-__device__ __forceinline__ void bulk_wait_read() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 #endif
 }
 

@@ -7,6 +7,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "common/mask.h"
+#include "common/mma.cuh"
 #include "common/params.h"
 #include "common/query_tiles.h"
 #include "common/seqinfo.h"
@@ -15,22 +16,6 @@
 #include "fa3/fa3_utils.h"
 
 namespace flash::fa3 {
-
-// dst[0, bytes) += src[0, bytes) in fp32, one bulk async-group (16-byte multiples and alignment).
-// The writers of src order their stores before it with cutlass::arch::fence_view_async_shared.
-__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               "cp.async.bulk.commit_group;" ::"l"(dst),
-               "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
-               : "memory");
-}
-// Until this thread's bulk groups have read their shared-memory sources / are complete.
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
 
 // The deterministic mode's turns (the dQ writer's first thread). The proxy fences order the
 // bulk adds (the async proxy) after the acquire and before the release.
@@ -44,7 +29,7 @@ __device__ __forceinline__ void dq_turn_wait(const int* counter, int turn) {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 __device__ __forceinline__ void dq_turn_pass(int* counter) {
-  bulk_wait();
+  bulk_wait_complete();
   asm volatile("fence.proxy.async.global;" ::: "memory");
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
@@ -109,7 +94,7 @@ struct BwdEpilogue {
                                             uint32_t(BwdBarrier::dQEmpty) + b);
       }
     }
-    if (leader) bulk_wait();  // done before the CTA's shared memory goes
+    if (leader) bulk_wait_complete();  // done before the CTA's shared memory goes
   }
 
   // dK (times softmax_scale) and dV of consumer cw's keys below the sequence's rows.

@@ -10,6 +10,7 @@
 
 #include "common/fragment.h"
 #include "common/mask.h"
+#include "common/mma.cuh"
 #include "common/params.h"
 #include "common/query_tiles.h"
 #include "common/score_mod.h"
@@ -20,16 +21,6 @@
 #include "fa3/fa3_utils.h"
 
 namespace flash::fa3 {
-
-// A bulk copy of `bytes` (a multiple of 16) from global into shared memory, counted on `bar`.
-__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes,
-                                          uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-      ::"r"(cute::cast_smem_ptr_to_uint(smem)), "l"(gmem), "r"(bytes),
-      "r"(cute::cast_smem_ptr_to_uint(bar))
-      : "memory");
-}
 
 // Rows [from, rows) of a (rows, kHeadDim) shared-memory tile set to 0 by the 256 consumer
 // threads: a variable-length sequence's tile runs into the next sequence's rows, or into rows
@@ -115,11 +106,11 @@ struct BwdMainloop {
         pipe_q.producer_acquire(state);
         uint64_t* bar_q = pipe_q.producer_get_barrier(state);
         copy(tma.q.with(*bar_q), tQg(_, m), tQs(_, state.index()));
-        bulk_load(shared.lse[state.index()], s.lse2 + row0 + m * kBlockM, Tr::kRowBytes, bar_q);
+        bulk_copy(shared.lse[state.index()], s.lse2 + row0 + m * kBlockM, Tr::kRowBytes, bar_q);
         pipe_do.producer_acquire(state);
         uint64_t* bar_do = pipe_do.producer_get_barrier(state);
         copy(tma.dout.with(*bar_do), tdOg(_, m), tdOs(_, state.index()));
-        bulk_load(shared.dsum[state.index()], s.dsum + row0 + m * kBlockM, Tr::kRowBytes,
+        bulk_copy(shared.dsum[state.index()], s.dsum + row0 + m * kBlockM, Tr::kRowBytes,
                   bar_do);
         ++state;
       }

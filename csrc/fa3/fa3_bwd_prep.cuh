@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
 
 // dq = softmax_scale * accumulator. The accumulator holds each 64-row tile in the order the
 // main kernel stages it for its bulk adds (float4 j of consumer c's thread t at j * 256 +
-// 128 c + t): a block takes a tile, each thread its 32 values, whose (row, column) the dQ
+// 128 c + t): a block takes a tile, each thread its values, whose (row, column) the dQ
 // MMA's thread layout gives. All of a thread's loads are issued before its first store (the
 // loads and stores may alias for the compiler, so it keeps the order it is given), and the
 // tile goes out through shared memory as 16-byte row pieces, not 4-byte ones.

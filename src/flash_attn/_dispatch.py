@@ -18,9 +18,8 @@ The family returned is the forward's. Its gradient runs the kernels of
 backward where that takes the call, else its bwd_family's (fa3's backward takes head dims 64,
 96 and 128, dense or variable-length, any mask or score mod, deterministic or not, with
 build_matrix.SHORT_Q_ROWS query rows per KV head or more; its other gradients run fa2's
-backward, on the same O / LSE conventions). A
-call that needs a backward can run a family only if that backward family is built, runs on the
-device and supports the call too.
+backward, on the same O / LSE conventions). A call that needs a backward can run a family only
+if that backward family is built, runs on the device and supports the call too.
 
 A family is forced with ``FLASH_ATTN_BACKEND=auto|fa1|fa2|fa3`` (read at call time) or per call
 with ``backend=`` (which wins). A forced family that cannot run the call is an error naming the
