@@ -1,6 +1,6 @@
-// FA3 backward launcher: the scratch in the workspace, the preprocess (lse in base 2, D, dQ
-// zeroed), the main kernel over (key tile, KV head, batch) and the dQ conversion. Included by
-// the generated instantiation files only.
+// FA3 backward launcher: the scratch in the workspace, dQ's accumulators zeroed, the
+// preprocess (lse in base 2, D), the main kernel over (key tile, KV head, batch) and the dQ
+// conversion. Included by the generated instantiation files only.
 #pragma once
 
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
@@ -54,6 +54,13 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   }
   const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
+  // The accumulators and the turn counters (contiguous): a memset writes at the memory's
+  // rate, which the preprocess's stores, interleaved with its loads, did not reach.
+  FLASH_CHECK_CUDA(cudaMemsetAsync(s.dq, 0, size_t(s.dq_copy_stride) * s.dq_copies * 4, stream));
+  if (s.dq_turns != nullptr) {
+    FLASH_CHECK_CUDA(cudaMemsetAsync(
+        s.dq_turns, 0, size_t(rows / kBwdRowPad) * s.dq_copies * sizeof(int), stream));
+  }
   constexpr int kRowsPerStep = kBwdPrepThreads / bwd_prep_lanes<kHeadDim>();
   const int64_t prep_blocks = std::min<int64_t>((rows + kRowsPerStep - 1) / kRowsPerStep,
                                                 int64_t(std::max(p.num_sms, 1)) * 16);

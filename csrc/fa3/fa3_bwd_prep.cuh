@@ -2,10 +2,11 @@
 // kBwdRowPad) hold, for the main kernel's unguarded tile loads:
 //   lse2   the forward's lse in base 2; +inf past the sequence (P = 0 there)
 //   dsum   D = rowsum(dO o O); 0 past the sequence
-//   dq     the dQ accumulator (fp32, unscaled), zeroed here, added to by every key tile;
-//          dq_copies of them in some deterministic calls, summed in order at the conversion
+//   dq     the dQ accumulator (fp32, unscaled), zeroed by a memset, added to by every key
+//          tile; dq_copies of them in some deterministic calls, summed in order at the
+//          conversion
 //   dq_turns  deterministic mode only: a counter per 64-row tile and copy (fa3_bwd_kernel.cuh),
-//          zeroed
+//          zeroed by a memset
 // and the conversion of the accumulator into dq (times softmax_scale, in the output dtype).
 #pragma once
 
@@ -67,24 +68,21 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
   static_assert(kLanes * 8 >= kHeadDim && 32 % kLanes == 0);
   const int64_t total = int64_t(p.batch) * p.heads * s.rows_pad;
   const int lane = threadIdx.x % kLanes;
+  // Read-only loads (ld.global.nc), which the compiler may move above the previous row's
+  // stores: two rows' loads in flight a thread.
+#pragma unroll 2
   for (int64_t row = int64_t(blockIdx.x) * kRowsPerStep + threadIdx.x / kLanes; row < total;
        row += int64_t(gridDim.x) * kRowsPerStep) {
-    for (int c = 0; c < s.dq_copies && lane * 8 < kHeadDim; ++c) {
-      float4* dq = reinterpret_cast<float4*>(s.dq + c * s.dq_copy_stride + row * kHeadDim +
-                                             lane * 8);
-      dq[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-      dq[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
     const int64_t bh = row / s.rows_pad;
     const int r = int(row % s.rows_pad), h = int(bh % p.heads);
     const SeqInfo seq(p, int(bh / p.heads));
     const bool live = r < seq.seqlen_q(p);
     float acc = 0.f;
     if (live && lane * 8 < p.head_dim) {
-      const uint4 dov = *reinterpret_cast<const uint4*>(
-          static_cast<const T*>(p.dout) + seq.do_offset(p, h) + r * p.do_strides.row + lane * 8);
-      const uint4 ov = *reinterpret_cast<const uint4*>(
-          static_cast<const T*>(p.o) + seq.o_offset(p, h) + r * p.o_strides.row + lane * 8);
+      const uint4 dov = __ldg(reinterpret_cast<const uint4*>(
+          static_cast<const T*>(p.dout) + seq.do_offset(p, h) + r * p.do_strides.row + lane * 8));
+      const uint4 ov = __ldg(reinterpret_cast<const uint4*>(
+          static_cast<const T*>(p.o) + seq.o_offset(p, h) + r * p.o_strides.row + lane * 8));
       const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
@@ -97,11 +95,6 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
       acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     }
     if (lane == 0) {
-      if (s.dq_turns != nullptr && r % kBwdRowPad == 0) {
-        for (int c = 0; c < s.dq_copies; ++c) {
-          s.dq_turns[c * (total / kBwdRowPad) + row / kBwdRowPad] = 0;
-        }
-      }
       s.dsum[row] = acc;
       // lse is +inf for a row that saw no key: P = 0 there as past the sequence.
       s.lse2[row] = live ? p.lse[seq.lse_offset(p, h) + r] * float(M_LOG2E) : INFINITY;
