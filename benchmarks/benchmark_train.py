@@ -109,7 +109,7 @@ class Decoder(torch.nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin)
         logits = self.head(self.norm(x)).float()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def own_attention(fn, heads: int, kv_heads: int):

@@ -1,0 +1,25 @@
+"""The benchmarks' pipelines on the CPU: a bug outside the timed kernels (the model, the report)
+should not first show on a lent GPU, where it costs the run."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import benchmark_train  # noqa: E402
+
+
+def test_train_step_pipeline_runs_on_cpu(tmp_path):
+    rc = benchmark_train.main(["--quick", "--device", "cpu", "--backends", "sdpa_flash",
+                               "--layers", "1", "--batch", "2", "--steps", "1", "--warmup", "0", "--rounds", "1",
+                               "--out-dir", str(tmp_path)])
+    assert rc == 0
+    (report,) = tmp_path.glob("train_*.json")
+    (rec,) = json.loads(report.read_text())["results"]
+    assert rec["error"] is None, rec["error"]
+    assert rec["ms"] > 0 and math.isfinite(rec["first_loss"])
