@@ -91,9 +91,10 @@ def test_switches_trim():
     # 192 is fa2's and fa3's.
     assert {c.family for c in M.selected_configs({"FLASH_ATTN_HDIMS": "32"})} == {"fa1", "fa2"}
     assert {c.family for c in M.selected_configs({"FLASH_ATTN_HDIMS": "192"})} == {"fa2", "fa3"}
-    # fa3's backward exists at head dims 64, 96 and 128; its other gradients are fa2's backward.
+    # fa3's backward exists at every head dim of its forward (its short or dropout gradients
+    # are fa2's backward).
     assert {(c.direction, c.hdim) for c in M.selected_configs({"FLASH_ATTN_FAMILIES": "fa3"})
-            if c.direction == "bwd"} == {("bwd", 64), ("bwd", 96), ("bwd", 128)}
+            if c.direction == "bwd"} == {("bwd", d) for d in (64, 96, 128, 192, 256)}
 
 
 @pytest.mark.parametrize("env,pattern", [
@@ -310,7 +311,7 @@ def test_fa3_entry():
     assert f.features == set(_validate.FEATURES) - {"dropout", "paged_kv_unaligned"}
     assert f.bwd_family == "fa2"
     assert (f.bwd_hdims, f.bwd_features, f.bwd_deterministic) == (
-        (64, 96, 128), {"causal", "gqa", "local", "softcap", "alibi", "varlen"}, True)
+        (64, 96, 128, 192, 256), {"causal", "gqa", "local", "softcap", "alibi", "varlen"}, True)
     assert M.arch_code(f.max_arch) == "90a"    # its kernels need the arch-specific machine code
     assert M.PREFERENCE[0] == "fa3"
 
@@ -318,19 +319,22 @@ def test_fa3_entry():
 def test_backward_family():
     assert M.backward_family("fa1", 64) == "fa1"
     assert M.backward_family("fa2", 256, {"dropout", "alibi"}, deterministic=True) == "fa2"
-    # fa3's own backward: the forward's head dim 64, 96 and 128 kernels (up to 128), dense
-    # or variable-length, with a mask, softcap, ALiBi, GQA, deterministic; not short.
+    # fa3's own backward: every head dim of the forward, dense or variable-length, with a
+    # mask, softcap, ALiBi, GQA, deterministic; not short, not dropout.
     assert M.backward_family("fa3", 128) == "fa3"
     assert M.backward_family("fa3", 100, {"causal", "gqa"}) == "fa3"
     assert M.backward_family("fa3", 40, {"causal", "gqa"}) == "fa3"
     assert M.backward_family("fa3", 96) == "fa3"
     assert M.backward_family("fa3", 80, {"causal"}) == "fa3"
-    assert M.backward_family("fa3", 192) == "fa2"
+    assert M.backward_family("fa3", 192) == "fa3"
+    assert M.backward_family("fa3", 160, {"causal", "gqa"}) == "fa3"
+    assert M.backward_family("fa3", 256, {"causal", "softcap"}) == "fa3"
+    assert M.backward_family("fa3", 256, {"causal", "short_q"}) == "fa2"
     for feature in ("local", "softcap", "alibi", "varlen"):
         assert M.backward_family("fa3", 128, {"causal", feature}) == "fa3"
     assert M.backward_family("fa3", 128, {"causal", "short_q"}) == "fa2"
     assert M.backward_family("fa3", 128, deterministic=True) == "fa3"
-    assert M.backward_family("fa3", 192, deterministic=True) == "fa2"
+    assert M.backward_family("fa3", 256, deterministic=True) == "fa3"
     assert M.backward_family("fa2", 512) == "fa2"   # past its head dims: no other to name
     with pytest.raises(KeyError):
         M.backward_family("fa9", 64)

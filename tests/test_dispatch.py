@@ -96,8 +96,9 @@ def test_fa3_features(no_fallback_warning, feature):
 
 def test_training_on_sm90_runs_fa3_with_its_or_fa2s_backward(no_fallback_warning):
     b = built("fa1", "fa2", "fa3")
-    assert {c.hdim for c in b if c.family == "fa3" and c.direction == "bwd"} == {64, 96, 128}
-    for hdim in (64, 128):
+    assert {c.hdim for c in b if c.family == "fa3" and c.direction == "bwd"} == \
+        {64, 96, 128, 192, 256}
+    for hdim in (64, 128, 256):
         assert D.why_not("fa3", 90, "fp16", hdim, (), ("fwd", "bwd"), b) is None
     assert choose(90, need_bwd=True) == "fa3"
 
@@ -135,11 +136,12 @@ def test_fa3_gradient_needs_fa2s_backward_kernels():
     # Without fa2 at all nothing else runs the call; the error says what fa3 lacks.
     with pytest.raises(NotImplementedError, match=r"fa3: this build has no fa2 bwd kernel \(which computes fa3's gradient\) for bf16 head dim 96 \(built: none\)"):
         D.choose(90, "bf16", 96, {"short_q"}, need_bwd=True, built=built("fa3"))
-    # fa2's backward for some head dims only: fa3's gradient runs where it has one.
+    # fa2's backward for some head dims only: fa3's short gradient runs where it has one.
     b = built("fa3") | frozenset(c for c in built("fa2") if c.hdim <= 128)
-    assert D.why_not("fa3", 90, "fp16", 100, (), ("fwd", "bwd"), b) is None
+    assert D.why_not("fa3", 90, "fp16", 100, {"short_q"}, ("fwd", "bwd"), b) is None
+    assert D.why_not("fa3", 90, "fp16", 200, (), ("fwd", "bwd"), b) is None  # fa3's own
     assert "no fa2 bwd kernel (which computes fa3's gradient) for fp16 head dim 200" in \
-        D.why_not("fa3", 90, "fp16", 200, (), ("fwd", "bwd"), b)
+        D.why_not("fa3", 90, "fp16", 200, {"short_q"}, ("fwd", "bwd"), b)
 
 
 def test_fa3_gradient_needs_what_fa2s_backward_supports(monkeypatch):
@@ -392,9 +394,9 @@ def test_dropout_on_sm90_runs_fa2_through_the_call(fake_ext):
 
 
 def test_fa3_gradient_runs_fa3s_backward_where_it_takes_the_call(fake_ext):
-    # Head dim 64, 96 or 128, at least SHORT_Q_ROWS query rows per KV head: fa3's backward, with
-    # or without a mask or score mod, deterministic or not; fewer rows or another head dim:
-    # fa2's, on the same O and LSE.
+    # At least SHORT_Q_ROWS query rows per KV head: fa3's backward, at any head dim, with or
+    # without a mask or score mod, deterministic or not; fewer rows: fa2's, on the same O and
+    # LSE.
     fake_ext.arch = 90
     rows = build_matrix.SHORT_Q_ROWS
     for d, shape, kwargs, bwd in (
@@ -404,7 +406,8 @@ def test_fa3_gradient_runs_fa3s_backward_where_it_takes_the_call(fake_ext):
             (128, dict(sq=rows), {"deterministic": True}, "fa3"),
             (128, dict(sq=rows), {"window_size": (2, 0)}, "fa3"),
             (128, dict(sq=rows), {"softcap": 5.0}, "fa3"), (64, dict(sq=rows), {}, "fa3"),
-            (96, dict(sq=rows), {}, "fa3"), (192, dict(sq=rows), {"causal": True}, "fa2")):
+            (96, dict(sq=rows), {}, "fa3"), (192, dict(sq=rows), {"causal": True}, "fa3"),
+            (200, dict(sq=rows), {}, "fa3"), (256, dict(sq=rows - 1), {}, "fa2")):
         q, k, v = (t.requires_grad_() for t in _qkv(d=d, **shape))
         flash_attn.flash_attn_func(q, k, v, **kwargs).float().sum().backward()
         assert [c[:2] for c in fake_ext.calls[-2:]] == [("fwd", "fa3"), ("bwd", bwd)], (

@@ -326,10 +326,10 @@ BWD_CASES = [(2, 1, 239, 6, 1), (1, 113, 203, 7, 1), (1, 1023, 1024, 6, 6), (2, 
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("mods", [{}, dict(window=(33, 7), softcap=5.0)],
                          ids=["plain", "window-softcap"])
-@pytest.mark.parametrize("d", [40, 64, 80, 96, 120, 128])
+@pytest.mark.parametrize("d", [40, 64, 80, 96, 120, 128, 160, 192, 224, 256])
 @pytest.mark.parametrize("b,sq,sk,h,hk", BWD_CASES)
 def test_backward_agrees_with_fa2(b, sq, sk, h, hk, d, mods, causal, dtype):
-    """fa3's backward (the gradient of an fa3 forward at head dims up to 128) and
+    """fa3's backward (the gradient of an fa3 forward; 160 / 224 pad to the 192 / 256 tiles) and
     fa2's on the same inputs and the same O / LSE: dq, dk, dv within 2 x PyTorch's error
     (+ ulp) of each other. fa3's own check against the references is the other tests'."""
     skip_unless_built(dtype, d)
@@ -355,15 +355,16 @@ def test_backward_agrees_with_fa2(b, sq, sk, h, hk, d, mods, causal, dtype):
                      dtype)
 
 
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("spec", [{}, dict(causal=True),
                                   dict(window_size=(300, 40), softcap=5.0),
                                   dict(window_size=(200, -1), alibi="per-batch")],
                          ids=["full", "causal", "window-softcap", "left-window-alibi"])
 def test_deterministic_backward(spec, d):
     """deterministic=True: the rule, and five runs equal bit for bit. 1500 keys are 12 key
-    tiles, so a dQ tile takes up to 12 adds in a fixed order (without a right bound on the
-    keys, into four accumulators); GQA 3 adds three heads' rows."""
+    tiles (24 at head dims 192 / 256), so a dQ tile takes up to 12 (24) adds in a fixed order
+    (without a right bound on the keys, into four accumulators); GQA 3 adds three heads'
+    rows."""
     dtype = torch.bfloat16
     skip_unless_built(dtype, d)
     inputs = qkv(2, 1000, 1500, 6, 2, d, dtype)

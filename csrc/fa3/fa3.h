@@ -3,8 +3,8 @@
 //                                               if it can
 //   plan_fwd(params, hdim, tuning) / plan_bwd   the call's plan, with its workspace_bytes
 //   run_fwd<T, hdim>(params, plan, s) / run_bwd the launch; params.workspace holds the plan's
-// The forward: every FwdParams feature but dropout. The backward: head dims 64, 96 and 128,
-// dense and variable-length, every feature but dropout (build_matrix's fa3 entry); the
+// The forward: every FwdParams feature but dropout. The backward: the same head dims, dense
+// and variable-length, every feature but dropout (build_matrix's fa3 entry); the
 // frontend gives other gradients of its forward to FA2's backward, which shares the O and
 // LSE conventions. sm_90a machine code: the kernels are empty in any other compilation.
 #pragma once

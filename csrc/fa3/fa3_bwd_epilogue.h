@@ -64,8 +64,8 @@ struct BwdEpilogue {
   static constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
 
   // The dQ writer (the producer warpgroup's second warp): the steps' tiles from buffers 0, 1,
-  // 0, ... Buffer b is free for the consumers' step i once the add of step i - 2 has read it
-  // (both free at the start); no arrive is left without its sync.
+  // 0, ... (or 0 alone). Buffer b is free for the consumers' step i once the add of step
+  // i - kdQBuffers has read it (all free at the start); no arrive is left without its sync.
   template <class Steps>
   static __device__ __forceinline__ void write_dq(const BwdParams& p, const BwdScratch& s,
                                                   typename Tr::SharedStorage& shared,
@@ -74,22 +74,23 @@ struct BwdEpilogue {
     const int64_t rows_q = s.rows_pad;
     const int count = steps.count();
     const bool leader = threadIdx.x == 32;
-    for (int b = 0; b < 2 && b < count; ++b) {
+    constexpr int kBuffers = Tr::kdQBuffers;
+    for (int b = 0; b < kBuffers && b < count; ++b) {
       cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + b);
     }
     const int per_head = steps.m_end - steps.m_begin;
     #pragma unroll 1
     for (int i = 0; i < count; ++i) {
-      const int b = i & 1;
+      const int b = i % kBuffers;
       cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + b);
       if (leader) {
         const int head = head_k * steps.heads_per_kv + i / per_head;
         const int m = steps.m_begin + i % per_head;
         const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q + m * kBlockM;
-        add_dq_tile<Tr>(p, s, n_block, seqlen_q, seqlen_k, m, row0 * kHeadDim, shared.dq[b]);
+        add_dq_tile<Tr>(p, s, n_block, seqlen_q, seqlen_k, m, row0 * kHeadDim, shared.dq(b));
       }
       __syncwarp();
-      if (i + 2 < count) {
+      if (i + kBuffers < count) {
         cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads,
                                             uint32_t(BwdBarrier::dQEmpty) + b);
       }
@@ -97,20 +98,21 @@ struct BwdEpilogue {
     if (leader) bulk_wait_complete();  // done before the CTA's shared memory goes
   }
 
-  // dK (times softmax_scale) and dV of consumer cw's keys below the sequence's rows.
+  // dK (times softmax_scale) and dV of a consumer's 64 keys from key0 and kKVCols columns
+  // from col0, below the sequence's rows and head_dim.
   template <class Acc>
   static __device__ __forceinline__ void store_dkdv(const BwdParams& p, const SeqInfo& seq,
-                                                    int head_k, int key0, const Acc& acc_dk,
-                                                    const Acc& acc_dv) {
+                                                    int head_k, int key0, int col0,
+                                                    const Acc& acc_dk, const Acc& acc_dv) {
     typename Tr::MmaKV mma_kv;
     auto thr_kv = mma_kv.get_thread_slice(threadIdx.x % 128);
-    Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+    Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<_64, Int<Tr::kKVCols>>{}));
     using Raw = typename Tr::Raw;
     Raw* dk = static_cast<Raw*>(p.dk) + seq.dk_offset(p, head_k);
     Raw* dv = static_cast<Raw*>(p.dv) + seq.dv_offset(p, head_k);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); i += 2) {
-      const int key = key0 + get<0>(cKV(i)), c = get<1>(cKV(i));
+      const int key = key0 + get<0>(cKV(i)), c = col0 + get<1>(cKV(i));
       if (key < seq.rows_k(p) && c < p.head_dim) {
         store2(dk + int64_t(key) * p.dk_strides.row + c, acc_dk(i) * p.softmax_scale,
                acc_dk(i + 1) * p.softmax_scale);

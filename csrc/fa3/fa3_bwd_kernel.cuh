@@ -1,16 +1,19 @@
 // The FA3 backward kernel: one CTA per (key tile, KV head, batch), three warpgroups:
 //   warpgroup 0, the producer: one thread loads the CTA's K and V once, then each step's Q and
-//     dO tiles (TMA) with their rows' lse and D (bulk copies) into two-stage pipelines; its
-//     second warp, the dQ writer, adds each step's staged dQ tile to the accumulator;
-//   warpgroups 1-2, the consumers, 64 keys each, per step (kBlockM query rows of one head):
+//     dO tiles (TMA) with their rows' lse and D (bulk copies) into pipelines; its second warp,
+//     the dQ writer, adds each step's staged dQ tile to the accumulator;
+//   warpgroups 1-2, the consumers, per step (kBlockM query rows of one head), at head dims up
+//   to 128 64 keys each:
 //     S^T = K Q^T, dP^T = V dO^T           SS WGMMA
 //     P^T = exp2(S^T scale - lse), dS^T = P^T o (dP^T - D)
 //     dV += P^T dO, dK += dS^T Q           RS WGMMA, P^T / dS^T from registers
 //     dS^T to shared memory; dQ[:, half c] = dS K[:, half c]   SS WGMMA, staged in shared
 //     memory (two buffers) for the dQ writer's bulk reduce-add
+//   and at 192 / 256 half the rows of S^T / dP^T each and dK / dV of half the head dim, from
+//   P^T / dS^T in shared memory (fa3_bwd_wide.h; fa3_bwd_traits.h says why);
 //   and at the end write dK (times softmax_scale) and dV.
-// The roles' code: fa3_bwd_mainloop.h (the producer's loads, the consumers' steps) and
-// fa3_bwd_epilogue.h (the dQ writer, the dK / dV stores).
+// The roles' code: fa3_bwd_mainloop.h (the producer's loads, the consumers' steps),
+// fa3_bwd_wide.h and fa3_bwd_epilogue.h (the dQ writer, the dK / dV stores).
 // The steps walk every query head of the KV head's group, so dK / dV of a group are summed in
 // registers. Dense or variable-length; causal, window, softcap and ALiBi (fa3_bwd_score.h);
 // deterministic (below); no dropout.
@@ -39,17 +42,30 @@
 #include "fa3/fa3_bwd_mainloop.h"
 #include "fa3/fa3_bwd_prep.cuh"
 #include "fa3/fa3_bwd_traits.h"
+#include "fa3/fa3_bwd_wide.h"
 
 namespace flash::fa3 {
 
-// kScoreMod: softcap or ALiBi may be on (BwdMainloop::mma).
+// The Q or dO pipeline's parameters: the tiles are the same size, each with its rows' lse or D.
+template <class Tr, class Pipeline>
+__device__ __forceinline__ typename Pipeline::Params bwd_pipe_params(int wg) {
+  typename Pipeline::Params params;
+  params.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = 128 * Tr::kConsumers;
+  params.transaction_bytes = Tr::kTmaBytesQ + Tr::kRowBytes;
+  return params;
+}
+
+// kScoreMod: softcap or ALiBi may be on (BwdMainloop::softmax_grad).
 template <class Tr, class Tma, bool kScoreMod>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ Tma tma,
                const BwdScratch s) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Pipeline = typename Tr::Pipeline;
-  constexpr int kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  using PipelineQ = typename Tr::PipelineQ;
+  using PipelinedO = typename Tr::PipelinedO;
+  constexpr int kBlockN = Tr::kBlockN, kKVCols = Tr::kKVCols;
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Tr::SharedStorage*>(smem_raw);
   const int wg = cutlass::canonical_warp_group_idx();
@@ -65,13 +81,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const Mask mask(p, seqlen_q, seqlen_k);
   const BwdSteps<Tr> steps(p, mask, n_block);
 
-  typename Pipeline::Params params;
-  params.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  params.is_leader = threadIdx.x == 0;
-  params.num_consumers = 128 * Tr::kConsumers;
-  params.transaction_bytes = Tr::kTmaBytesQ + Tr::kRowBytes;
-  Pipeline pipe_q(shared.pipe_q, params, Shape<_1, _1, _1>{});
-  Pipeline pipe_do(shared.pipe_do, params, Shape<_1, _1, _1>{});
+  PipelineQ pipe_q(shared.pipe_q, bwd_pipe_params<Tr, PipelineQ>(wg), Shape<_1, _1, _1>{});
+  PipelinedO pipe_do(shared.pipe_do, bwd_pipe_params<Tr, PipelinedO>(wg), Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full, 1);
     cutlass::arch::fence_barrier_init();
@@ -93,15 +104,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
 
   cutlass::arch::warpgroup_reg_alloc<Tr::kConsumerRegs>();
-  const int cw = wg - 1;  // keys [64 cw, 64 cw + 64) of the tile
+  const int cw = wg - 1;
   typename Tr::MmaKV mma_kv;
-  Tensor acc_dk = partition_fragment_C(mma_kv, Shape<_64, Int<kHeadDim>>{});
-  Tensor acc_dv = partition_fragment_C(mma_kv, Shape<_64, Int<kHeadDim>>{});
+  Tensor acc_dk = partition_fragment_C(mma_kv, Shape<_64, Int<kKVCols>>{});
+  Tensor acc_dv = partition_fragment_C(mma_kv, Shape<_64, Int<kKVCols>>{});
   clear(acc_dk);
   clear(acc_dv);
-  BwdMainloop<Tr>::template mma<kScoreMod>(p, shared, pipe_q, pipe_do, seq, mask, steps,
-                                           n_block, head_k, cw, acc_dk, acc_dv);
-  BwdEpilogue<Tr>::store_dkdv(p, seq, head_k, n_block * kBlockN + 64 * cw, acc_dk, acc_dv);
+  if constexpr (Tr::kWide) {  // all keys of the tile, head-dim half cw
+    BwdWideConsumer<Tr>::template mma<kScoreMod>(p, shared, pipe_q, pipe_do, seq, mask, steps,
+                                                 n_block, head_k, cw, acc_dk, acc_dv);
+    BwdEpilogue<Tr>::store_dkdv(p, seq, head_k, n_block * kBlockN, kKVCols * cw, acc_dk,
+                                acc_dv);
+  } else {  // keys [64 cw, 64 cw + 64) of the tile, all the head dim
+    BwdMainloop<Tr>::template mma<kScoreMod>(p, shared, pipe_q, pipe_do, seq, mask, steps,
+                                             n_block, head_k, cw, acc_dk, acc_dv);
+    BwdEpilogue<Tr>::store_dkdv(p, seq, head_k, n_block * kBlockN + 64 * cw, 0, acc_dk,
+                                acc_dv);
+  }
 #endif
 }
 

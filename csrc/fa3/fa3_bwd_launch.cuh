@@ -42,8 +42,6 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
 
 template <typename T, int kHeadDim>
 void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
-  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128,
-                "build_matrix lists fa3's backward at head dims 64, 96 and 128 only");
   using Tr = BwdTraits<T, kHeadDim>;
   using Element = typename Tr::Element;
   if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
@@ -73,7 +71,7 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   };
   const int rows_q = SeqInfo::view_rows_q(p), rows_k = SeqInfo::view_rows_k(p);
   const int batches = SeqInfo::view_batch(p), batches_k = SeqInfo::view_batch_k(p);
-  auto q_view = take<0, 2>(typename Tr::SmemQ{});
+  auto q_view = take<0, 2>(typename Tr::SmemQ{});  // dO's tiles too (SmemdO: other stages)
   auto kv_view = typename Tr::SmemKV{};
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{},
                              tensor(static_cast<const Element*>(p.q), p.q_strides, rows_q,

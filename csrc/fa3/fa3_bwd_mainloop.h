@@ -51,7 +51,8 @@ struct BwdSteps {
 template <class Tr>
 struct BwdMainloop {
   using Element = typename Tr::Element;
-  using Pipeline = typename Tr::Pipeline;
+  using PipelineQ = typename Tr::PipelineQ;
+  using PipelinedO = typename Tr::PipelinedO;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
 
   // The producer thread: K and V of key tile n_block once, then the steps' tiles.
@@ -59,13 +60,13 @@ struct BwdMainloop {
   static __device__ __forceinline__ void load(const BwdParams& p, const Tma& tma,
                                               const BwdScratch& s,
                                               typename Tr::SharedStorage& shared,
-                                              Pipeline& pipe_q, Pipeline& pipe_do,
+                                              PipelineQ& pipe_q, PipelinedO& pipe_do,
                                               const SeqInfo& seq, const BwdSteps<Tr>& steps,
                                               int n_block, int head_k, int batch) {
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
     Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemdO{});
     const int64_t rows_q = s.rows_pad;
     const int batches = SeqInfo::view_batch(p), batches_k = SeqInfo::view_batch_k(p);
     Tensor mQ = tma.q.get_tma_tensor(
@@ -88,7 +89,8 @@ struct BwdMainloop {
                                                                    2 * Tr::kTmaBytesKV);
     copy(tma.k.with(shared.kv_full), tKg, tKs);
     copy(tma.v.with(shared.kv_full), tVg, tVs);
-    auto state = cutlass::make_producer_start_state<Pipeline>();
+    auto state_q = cutlass::make_producer_start_state<PipelineQ>();
+    auto state_do = cutlass::make_producer_start_state<PipelinedO>();
     #pragma unroll 1
     for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
       const int head = head_k * steps.heads_per_kv + hq;
@@ -103,27 +105,118 @@ struct BwdMainloop {
       const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q;
       #pragma unroll 1
       for (int m = steps.m_begin; m < steps.m_end; ++m) {
-        pipe_q.producer_acquire(state);
-        uint64_t* bar_q = pipe_q.producer_get_barrier(state);
-        copy(tma.q.with(*bar_q), tQg(_, m), tQs(_, state.index()));
-        bulk_copy(shared.lse[state.index()], s.lse2 + row0 + m * kBlockM, Tr::kRowBytes, bar_q);
-        pipe_do.producer_acquire(state);
-        uint64_t* bar_do = pipe_do.producer_get_barrier(state);
-        copy(tma.dout.with(*bar_do), tdOg(_, m), tdOs(_, state.index()));
-        bulk_copy(shared.dsum[state.index()], s.dsum + row0 + m * kBlockM, Tr::kRowBytes,
+        pipe_q.producer_acquire(state_q);
+        uint64_t* bar_q = pipe_q.producer_get_barrier(state_q);
+        copy(tma.q.with(*bar_q), tQg(_, m), tQs(_, state_q.index()));
+        bulk_copy(shared.lse[state_q.index()], s.lse2 + row0 + m * kBlockM, Tr::kRowBytes,
+                  bar_q);
+        pipe_do.producer_acquire(state_do);
+        uint64_t* bar_do = pipe_do.producer_get_barrier(state_do);
+        copy(tma.dout.with(*bar_do), tdOg(_, m), tdOs(_, state_do.index()));
+        bulk_copy(shared.dsum[state_do.index()], s.dsum + row0 + m * kBlockM, Tr::kRowBytes,
                   bar_do);
-        ++state;
+        ++state_q;
+        ++state_do;
       }
     }
   }
 
+  // P^T into acc_s and dS^T into acc_dp, element by element, as the S^T and dP^T GEMMs (the
+  // last two issued) complete; cS: the (key, row) of each element, less (key0, row0 - rows0);
+  // lse / dsum: the step's rows from rows0. kScoreMod: softcap or ALiBi may be on (uniform
+  // runtime tests); P and dS then come in one pass after both GEMMs, so no fragment of tanh
+  // values stays live.
+  template <bool kScoreMod, class Frag, class Coord>
+  static __device__ __forceinline__ void softmax_grad(const BwdScore& score, const ScoreMod& mod,
+                                                      Frag& acc_s, Frag& acc_dp, const Coord& cS,
+                                                      int key0, int row0, int rows0,
+                                                      const float* lse, const float* dsum,
+                                                      bool masked) {
+    if constexpr (!kScoreMod) {
+      // P while dP's GEMM runs, then dS.
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc_s);  // no read of S above the wait
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        const int r = rows0 + get<1>(cS(i));
+        acc_s(i) = score.prob(acc_s(i), key0 + get<0>(cS(i)), row0 + r, lse[r], masked);
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dp);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dp); ++i) {
+        acc_dp(i) = acc_s(i) * (acc_dp(i) - dsum[rows0 + get<1>(cS(i))]);
+      }
+    } else {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_s);
+      warpgroup_fence_operand(acc_dp);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        const int r = rows0 + get<1>(cS(i));
+        float dtanh;
+        const float pv = score.prob(acc_s(i), key0 + get<0>(cS(i)), row0 + r, lse[r], masked,
+                                    mod, dtanh);
+        acc_s(i) = pv;
+        acc_dp(i) = pv * (acc_dp(i) - dsum[r]) * dtanh;
+      }
+    }
+  }
+
+  // The consumers' wait for the CTA's K and V. Dense tiles read zeros past the sequence (TMA
+  // fills rows out of bounds); variable-length ones read other rows, which the consumers zero
+  // in shared memory.
+  static __device__ __forceinline__ void wait_kv(typename Tr::SharedStorage& shared, bool varlen,
+                                                 int n_block, int seqlen_k) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
+    if (varlen && (n_block + 1) * kBlockN > seqlen_k) {
+      const int tid = threadIdx.x - 128;
+      zero_tail_rows(make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{}),
+                     seqlen_k - n_block * kBlockN, tid);
+      zero_tail_rows(make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{}),
+                     seqlen_k - n_block * kBlockN, tid);
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Tails));
+    }
+  }
+  // The wait for step m's Q; a variable-length last tile waits for dO too and zeroes both
+  // past seqlen_q.
+  template <class TQ, class TdO, class StateQ, class StatedO>
+  static __device__ __forceinline__ void wait_q(TQ& sQ, TdO& sdO, PipelineQ& pipe_q,
+                                                PipelinedO& pipe_do, const StateQ& state_q,
+                                                const StatedO& state_do, bool varlen, int m,
+                                                int seqlen_q) {
+    pipe_q.consumer_wait(state_q);
+    if (varlen && (m + 1) * kBlockM > seqlen_q) {
+      const int tid = threadIdx.x - 128;
+      pipe_do.consumer_wait(state_do);
+      zero_tail_rows(sQ(_, _, state_q.index()), seqlen_q - m * kBlockM, tid);
+      zero_tail_rows(sdO(_, _, state_do.index()), seqlen_q - m * kBlockM, tid);
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Tails));
+    }
+  }
+
+  // Column block `part` of a step's dQ tile into a staging buffer, in the accumulator's order
+  // (Tr::dq_slot), which the global accumulator keeps (the conversion, fa3_bwd_prep.cuh,
+  // undoes it): one bulk add of the whole tile, by the dQ writer.
+  template <class Acc>
+  static __device__ __forceinline__ void stage_dq(float* buffer, const Acc& acc_dq, int part) {
+    static_assert(decltype(size(acc_dq))::value == 4 * Tr::kdQPartVecs);
+    float4* dq_s = reinterpret_cast<float4*>(buffer) + Tr::dq_slot(part) * Tr::kdQPartVecs * 128;
+    CUTE_UNROLL
+    for (int j = 0; j < Tr::kdQPartVecs; ++j) {
+      dq_s[j * 128 + threadIdx.x % 128] =
+          make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
+    }
+    cutlass::arch::fence_view_async_shared();
+  }
+
   // Consumer cw (keys [64 cw, 64 cw + 64) of the tile): the steps (if any), summing dK and dV
-  // into acc_dk / acc_dv and handing each step's dQ tile to the dQ writer. kScoreMod: softcap or
-  // ALiBi may be on (uniform runtime tests); P and dS then come in one pass after both GEMMs,
-  // so no fragment of tanh values stays live.
+  // into acc_dk / acc_dv and handing each step's dQ tile to the dQ writer.
   template <bool kScoreMod, class Acc>
   static __device__ __forceinline__ void mma(const BwdParams& p, typename Tr::SharedStorage& shared,
-                                             Pipeline& pipe_q, Pipeline& pipe_do,
+                                             PipelineQ& pipe_q, PipelinedO& pipe_do,
                                              const SeqInfo& seq, const Mask& mask,
                                              const BwdSteps<Tr>& steps, int n_block, int head_k,
                                              int cw, Acc& acc_dk, Acc& acc_dv) {
@@ -131,7 +224,7 @@ struct BwdMainloop {
     Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
     Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
     Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemdO{});
     const int wg_tid = threadIdx.x % 128;
     typename Tr::MmaSt mma_st;
     typename Tr::MmaKV mma_kv;
@@ -140,10 +233,10 @@ struct BwdMainloop {
     auto thr_kv = mma_kv.get_thread_slice(wg_tid);
     auto thr_dq = mma_dq.get_thread_slice(wg_tid);
     Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQt{});
-    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemdOt{});
     Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKt{});
-    Tensor sdSt = make_tensor(make_smem_ptr(shared.ds.data()), typename Tr::SmemdSt{});
-    Tensor sdS = make_tensor(make_smem_ptr(shared.ds.data()), typename Tr::SmemdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(shared.ds()), typename Tr::SmemdSt{});
+    Tensor sdS = make_tensor(make_smem_ptr(shared.ds()), typename Tr::SmemdS{});
 
     Tensor sK_wg = local_tile(sK, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
     Tensor sV_wg = local_tile(sV, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
@@ -153,7 +246,7 @@ struct BwdMainloop {
     Tensor tdPrdO = thr_st.partition_fragment_B(sdO);
     Tensor tdVrdO = thr_kv.partition_fragment_B(sdOt);   // (MMA, N, K, stage)
     Tensor tdKrQ = thr_kv.partition_fragment_B(sQt);
-    Tensor sKt_c = local_tile(sKt, Shape<Int<kHeadDim / 2>, Int<kBlockN>>{}, make_coord(cw, 0));
+    Tensor sKt_c = local_tile(sKt, Shape<Int<Tr::kdQCols>, Int<kBlockN>>{}, make_coord(cw, 0));
     Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, M, K)
     Tensor tdQrK = thr_dq.partition_fragment_B(sKt_c);   // (MMA, N, K)
     Tensor sdSt_wg = local_tile(sdSt, Shape<_64, Int<kBlockM>>{}, make_coord(cw, 0));
@@ -165,20 +258,12 @@ struct BwdMainloop {
     Tensor cS = thr_st.partition_C(make_identity_tensor(Shape<_64, Int<kBlockM>>{}));  // (key, row)
     const int key0 = n_block * kBlockN + 64 * cw;
     const BwdScore score(p, mask);
-    // Dense tiles read zeros past the sequence (TMA fills rows out of bounds); variable-length
-    // ones read other rows, which the consumers zero in shared memory.
     const bool varlen = p.cu_seqlens_q != nullptr;
-    const int tid = threadIdx.x - 128;
 
     if (steps.count() == 0) return;  // dK = dV = 0
-    cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
-    if (varlen && (n_block + 1) * kBlockN > seqlen_k) {
-      zero_tail_rows(sK, seqlen_k - n_block * kBlockN, tid);
-      zero_tail_rows(sV, seqlen_k - n_block * kBlockN, tid);
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Tails));
-    }
-    typename Tr::PipelineState state;
+    wait_kv(shared, varlen, n_block, seqlen_k);
+    static_assert(Tr::kStagesQ == Tr::kStagesdO);  // one state for both pipelines
+    cutlass::PipelineState<Tr::kStagesQ> state;
     int buf = 0;  // the dQ staging buffer of this step
     #pragma unroll 1
     for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
@@ -190,50 +275,13 @@ struct BwdMainloop {
         const int stage = state.index();
         Tensor acc_s = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
-        pipe_q.consumer_wait(state);
-        if (varlen && (m + 1) * kBlockM > seqlen_q) {
-          pipe_do.consumer_wait(state);
-          zero_tail_rows(sQ(_, _, stage), seqlen_q - m * kBlockM, tid);
-          zero_tail_rows(sdO(_, _, stage), seqlen_q - m * kBlockM, tid);
-          cutlass::arch::fence_view_async_shared();
-          cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Tails));
-        }
+        wait_q(sQ, sdO, pipe_q, pipe_do, state, state, varlen, m, seqlen_q);
         wgmma(mma_st, tSrK, tSrQ(_, _, _, stage), acc_s, true);
         pipe_do.consumer_wait(state);
         wgmma(mma_st, tdPrV, tdPrdO(_, _, _, stage), acc_dp, true);
-        const float* lse = shared.lse[stage];
-        const float* dsum = shared.dsum[stage];
-        const bool masked = score.masked<kBlockM>(key0, m * kBlockM);
-        if constexpr (!kScoreMod) {
-          // P while dP's GEMM runs, then dS.
-          warpgroup_wait<1>();
-          warpgroup_fence_operand(acc_s);  // no read of S above the wait
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_s); ++i) {
-            const int r = get<1>(cS(i));
-            const int key = key0 + get<0>(cS(i));
-            acc_s(i) = score.prob(acc_s(i), key, m * kBlockM + r, lse[r], masked);
-          }
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_dp);
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_dp); ++i) {
-            acc_dp(i) = acc_s(i) * (acc_dp(i) - dsum[get<1>(cS(i))]);
-          }
-        } else {
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_s);
-          warpgroup_fence_operand(acc_dp);
-          CUTE_UNROLL
-          for (int i = 0; i < size(acc_s); ++i) {
-            const int r = get<1>(cS(i));
-            float dtanh;
-            const float pv = score.prob(acc_s(i), key0 + get<0>(cS(i)), m * kBlockM + r, lse[r],
-                                        masked, mod, dtanh);
-            acc_s(i) = pv;
-            acc_dp(i) = pv * (acc_dp(i) - dsum[r]) * dtanh;
-          }
-        }
+        softmax_grad<kScoreMod>(score, mod, acc_s, acc_dp, cS, key0, m * kBlockM, 0,
+                                shared.lse[stage], shared.dsum[stage],
+                                score.masked<kBlockM>(key0, m * kBlockM));
         // dV's GEMM under dS^T's store; then dQ before dK, so that dQ's staging below runs
         // under dK's GEMM (WGMMA groups complete in order).
         Tensor rP = flash::convert_fragment<Element>(acc_s);
@@ -245,7 +293,7 @@ struct BwdMainloop {
         copy(r2s_ds, r2s_thr.retile_S(rdS), tdSsdS);
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim / 2>>{});
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kdQCols>>{});
         wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
         Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
         wgmma(mma_kv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk, false);
@@ -255,16 +303,9 @@ struct BwdMainloop {
         warpgroup_fence_operand(rP);
         warpgroup_fence_operand(acc_dq);
         pipe_do.consumer_release(state);
-        // This step's dQ into buffer buf, in the accumulator's order (dq_tile_index), which the
-        // global accumulator keeps: one bulk add of the whole tile, by the dQ writer.
+        // This step's dQ into buffer buf once the writer has read what it held.
         cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + buf);
-        float4* dq_s = reinterpret_cast<float4*>(shared.dq[buf]);
-        CUTE_UNROLL
-        for (int j = 0; j < size(acc_dq) / 4; ++j) {
-          dq_s[j * 256 + 128 * cw + wg_tid] =
-              make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
-        }
-        cutlass::arch::fence_view_async_shared();
+        stage_dq(shared.dq(buf), acc_dq, cw);
         cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + buf);
         buf ^= 1;
         warpgroup_wait<0>();  // dK

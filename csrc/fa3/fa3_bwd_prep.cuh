@@ -104,8 +104,9 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
 }
 
 // dq = softmax_scale * accumulator. The accumulator holds each 64-row tile in the order the
-// main kernel stages it for its bulk adds (float4 j of consumer c's thread t at j * 256 +
-// 128 c + t): a block takes a tile, each thread its values, whose (row, column) the dQ
+// main kernel stages it for its bulk adds (BwdTraits::dq_slot: the dQ MMA's values of column
+// block p, float4 j of thread t at (slot(p) kdQPartVecs + j) 128 + t): a block takes a tile,
+// thread (c, t) of its two warpgroups the blocks c, c + 2, ..., whose (row, column) the dQ
 // MMA's thread layout gives. All of a thread's loads are issued before its first store (the
 // loads and stores may alias for the compiler, so it keeps the order it is given), and the
 // tile goes out through shared memory as 16-byte row pieces, not 4-byte ones.
@@ -119,13 +120,13 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
   constexpr int kRowElems = kHeadDim + 8, kPieces = kHeadDim / 8;
   __shared__ __align__(16) T tile_s[kBlockM * kRowElems];
   pdl_wait();  // the main kernel's adds (a no-op without programmatic launch)
-  static_assert(kBwdPrepThreads == 256 && kBwdRowPad == kBlockM);
+  static_assert(kBwdPrepThreads == 256 && kBwdRowPad == kBlockM && Tr::kdQParts % 2 == 0);
   const int cw = threadIdx.x / 128, tid = threadIdx.x % 128;
   typename Tr::MmadQ mma_dq;
   Tensor cdQ = mma_dq.get_thread_slice(tid).partition_C(
-      make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim / 2>>{}));
-  constexpr int kVecs = decltype(size(cdQ))::value / 4;
-  static_assert(decltype(size(cdQ))::value % 4 == 0);
+      make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kdQCols>>{}));
+  static_assert(decltype(size(cdQ))::value == 4 * Tr::kdQPartVecs);
+  constexpr int kParts = Tr::kdQParts / 2, kVecs = Tr::kdQPartVecs;  // a thread's
   const int64_t tiles_per_head = s.rows_pad / kBlockM;
   const int64_t tiles = int64_t(p.batch) * p.heads * tiles_per_head;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -133,23 +134,37 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     const int row0 = int(tile % tiles_per_head) * kBlockM, h = int(bh % p.heads);
     const SeqInfo seq(p, int(bh / p.heads));
     const float4* src = reinterpret_cast<const float4*>(s.dq + tile * kBlockM * kHeadDim);
-    float4 v[kVecs];
+    float4 v[kParts][kVecs];
     CUTE_UNROLL
-    for (int j = 0; j < kVecs; ++j) v[j] = src[j * 256 + threadIdx.x];
-    for (int c = 1; c < s.dq_copies; ++c) {  // in order: deterministic
-      const float4* more = src + c * s.dq_copy_stride / 4;
+    for (int i = 0; i < kParts; ++i) {
+      const float4* part = src + Tr::dq_slot(cw + 2 * i) * kVecs * 128 + tid;
       CUTE_UNROLL
-      for (int j = 0; j < kVecs; ++j) {
-        const float4 w = more[j * 256 + threadIdx.x];
-        v[j].x += w.x, v[j].y += w.y, v[j].z += w.z, v[j].w += w.w;
+      for (int j = 0; j < kVecs; ++j) v[i][j] = part[j * 128];
+    }
+    for (int c = 1; c < s.dq_copies; ++c) {  // in order: deterministic
+      CUTE_UNROLL
+      for (int i = 0; i < kParts; ++i) {
+        const float4* part =
+            src + c * s.dq_copy_stride / 4 + Tr::dq_slot(cw + 2 * i) * kVecs * 128 + tid;
+        CUTE_UNROLL
+        for (int j = 0; j < kVecs; ++j) {
+          const float4 w = part[j * 128];
+          v[i][j].x += w.x, v[i][j].y += w.y, v[i][j].z += w.z, v[i][j].w += w.w;
+        }
       }
     }
     CUTE_UNROLL
-    for (int j = 0; j < kVecs; ++j) {
-      const int r = get<0>(cdQ(4 * j)), c = kHeadDim / 2 * cw + get<1>(cdQ(4 * j));
-      const int r2 = get<0>(cdQ(4 * j + 2)), c2 = kHeadDim / 2 * cw + get<1>(cdQ(4 * j + 2));
-      store2(tile_s + r * kRowElems + c, v[j].x * p.softmax_scale, v[j].y * p.softmax_scale);
-      store2(tile_s + r2 * kRowElems + c2, v[j].z * p.softmax_scale, v[j].w * p.softmax_scale);
+    for (int i = 0; i < kParts; ++i) {
+      const int col0 = (cw + 2 * i) * Tr::kdQCols;
+      CUTE_UNROLL
+      for (int j = 0; j < kVecs; ++j) {
+        const int r = get<0>(cdQ(4 * j)), c = col0 + get<1>(cdQ(4 * j));
+        const int r2 = get<0>(cdQ(4 * j + 2)), c2 = col0 + get<1>(cdQ(4 * j + 2));
+        store2(tile_s + r * kRowElems + c, v[i][j].x * p.softmax_scale,
+               v[i][j].y * p.softmax_scale);
+        store2(tile_s + r2 * kRowElems + c2, v[i][j].z * p.softmax_scale,
+               v[i][j].w * p.softmax_scale);
+      }
     }
     __syncthreads();
     T* dq = static_cast<T*>(p.dq) + seq.dq_offset(p, h);

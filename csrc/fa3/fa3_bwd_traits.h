@@ -1,10 +1,17 @@
 // The compile-time shape of the FA3 backward kernel (fa3_bwd_kernel.cuh): a CTA owns kBlockN
 // keys of one KV head and walks the query tiles of every query head of the group, kBlockM rows
-// at a time. Two consumer warpgroups, 64 keys each; the products are taken transposed (keys
-// as the M dimension) so that P^T and dS^T come out of the WGMMA accumulators already as the
-// register A operands of dV += P^T dO and dK += dS^T Q.
+// at a time, with two consumer warpgroups. The products are taken transposed (keys as the M
+// dimension), so S^T and dP^T come out with a key a row of their accumulators.
+//   Head dims up to 128 (narrow): 128 keys, consumer c keys [64 c, 64 c + 64) and all rows;
+//     its P^T and dS^T are already the register A operands of dV += P^T dO and dK += dS^T Q,
+//     and it keeps dK / dV of all the head dim (2 x kHeadDim / 2 registers a thread).
+//   192 and 256 (wide): that would be 192 / 256 registers, so 64 keys, consumer c all keys
+//     and rows [32 c, 32 c + 32) for S^T / dP^T, and dK / dV of head-dim half c, read from
+//     P^T and dS^T in shared memory (SS GEMMs). dQ's staging shares that shared memory.
+// Both: dQ[:, half c] = dS K[:, half c] by consumer c, dS read from shared memory.
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
 
 #include <cute/tensor.hpp>
@@ -21,23 +28,38 @@ struct BwdTraits {
   using Element = typename flash::CuteType<T>::type;
   using Raw = T;  // __half / __nv_bfloat16, for the dK / dV stores
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 64, kBlockN = 128, kStages = 2;
-  static constexpr int kConsumers = 2;  // warpgroups, 64 keys each
+  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 ||
+                    kHeadDim == 256,
+                "the backward's tiles: head dim 64, 96, 128, 192 or 256");
+  static constexpr bool kWide = kHeadDim > 128;
+  static constexpr int kBlockM = 64, kBlockN = kWide ? 64 : 128;
+  // dO has one stage at 256: two would not fit beside dQ's 64 KB staging.
+  static constexpr int kStagesQ = 2, kStagesdO = kHeadDim > 192 ? 1 : 2;
+  static constexpr int kdQBuffers = kWide ? 1 : 2;  // dQ staging buffers
+  static constexpr int kConsumers = 2;              // warpgroups
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240
-  static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128,
-                "the backward's tile: head dim 64, 96 or 128");
+  // A consumer's S^T / dP^T: 64 keys x kStRows rows; its dK / dV: 64 keys x kKVCols.
+  static constexpr int kStRows = kWide ? kBlockM / 2 : kBlockM;
+  static constexpr int kKVCols = kWide ? kHeadDim / 2 : kHeadDim;
 
-  // One warpgroup's S^T = K Q^T and dP^T = V dO^T (both operands K-major in shared memory).
-  using ShapeSt = Shape<_64, Int<kBlockM>, Int<kHeadDim>>;
+  // S^T = K Q^T and dP^T = V dO^T (both operands K-major in shared memory).
+  using ShapeSt = Shape<_64, Int<kStRows>, Int<kHeadDim>>;
   using MmaSt = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, ShapeSt>()));
-  // dV += P^T dO and dK += dS^T Q: A from registers, B (dO, Q seen as (head_dim, rows)) MN-major.
-  using ShapeKV = Shape<_64, Int<kHeadDim>, Int<kBlockM>>;
-  using MmaKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, ShapeKV, GMMA::Major::K, GMMA::Major::MN>()));
-  // dQ = dS K, consumer c taking head_dim columns [c kHeadDim / 2, (c + 1) kHeadDim / 2): dS
+  // dV += P^T dO and dK += dS^T Q; B (dO, Q seen as (head_dim, rows)) MN-major; A from
+  // registers (narrow) or shared memory (wide, K-major).
+  using ShapeKV = Shape<_64, Int<kKVCols>, Int<kBlockM>>;
+  using MmaKV = decltype(make_tiled_mma(std::conditional_t<
+      kWide,
+      decltype(GMMA::ss_op_selector<Element, Element, float, ShapeKV, GMMA::Major::K,
+                                    GMMA::Major::MN>()),
+      decltype(GMMA::rs_op_selector<Element, Element, float, ShapeKV, GMMA::Major::K,
+                                    GMMA::Major::MN>())>{}));
+  // dQ = dS K in kdQParts column blocks of kdQCols, consumer c taking its head-dim half (the
+  // wide tile in two GEMMs: one 64-column accumulator more would not fit beside dK / dV): dS
   // (rows, keys) read MN-major from where the consumers wrote dS^T, K seen as (head_dim, keys).
-  using ShapedQ = Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>;
+  static constexpr int kdQParts = kWide ? 4 : 2, kdQCols = kHeadDim / kdQParts;
+  using ShapedQ = Shape<Int<kBlockM>, Int<kdQCols>, Int<kBlockN>>;
   using MmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, ShapedQ, GMMA::Major::MN, GMMA::Major::MN>()));
 
@@ -47,45 +69,73 @@ struct BwdTraits {
       n % 64 == 0, GMMA::Layout_K_SW128_Atom<Element>,
       std::conditional_t<n % 32 == 0, GMMA::Layout_K_SW64_Atom<Element>,
                          GMMA::Layout_K_SW32_Atom<Element>>>;
-  // Q and dO: rows of kHeadDim. K and V: the dQ GEMM reads K as (head_dim, keys) MN-major in
-  // halves of kHeadDim / 2 columns, which the swizzle rows must divide (64: the 64-byte one,
-  // 96: the 32-byte one).
-  using SwizzleAtomQ = SwizzleFor<kHeadDim>;
-  using SwizzleAtomKV = SwizzleFor<kHeadDim / 2>;
+  // A tile read MN-major in column blocks of n (the dQ GEMMs' blocks of K^T; the wide dK / dV
+  // GEMMs' Q^T / dO^T halves) needs swizzle rows that divide n (96: the 64-byte one, 48: the
+  // 32-byte one).
+  using SwizzleAtomQ = SwizzleFor<kWide ? kHeadDim / 2 : kHeadDim>;
+  using SwizzleAtomKV = SwizzleFor<kdQCols>;
   using SwizzleAtom = GMMA::Layout_K_SW128_Atom<Element>;  // rows of 64 elements
-  using SmemQ = decltype(tile_to_shape(SwizzleAtomQ{},
-                                       Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemQt = decltype(composition(
-      SmemQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
-                                   Step<_2, _1, _3>{})));
+  template <int kStages>
+  using SmemRows = decltype(tile_to_shape(SwizzleAtomQ{},
+                                          Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  template <int kStages>
+  using SmemRowsT = decltype(composition(
+      SmemRows<kStages>{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                               Step<_2, _1, _3>{})));
+  using SmemQ = SmemRows<kStagesQ>;
+  using SmemQt = SmemRowsT<kStagesQ>;
+  using SmemdO = SmemRows<kStagesdO>;
+  using SmemdOt = SmemRowsT<kStagesdO>;
   using SmemKV = decltype(tile_to_shape(SwizzleAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemKt = decltype(composition(
       SmemKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
-  // dS^T as (keys, rows), rows contiguous (one 128-byte swizzle row of 64 rows), and the same
-  // memory seen as dS (rows, keys), MN-major.
+  // dS^T (and the wide tile's P^T) as (keys, rows), rows contiguous (one 128-byte swizzle row
+  // of 64 rows), and the same memory seen as dS (rows, keys), MN-major.
   using SmemdSt = decltype(tile_to_shape(SwizzleAtom{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));
   using SmemdS = decltype(composition(
       SmemdSt{}, make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>>{}, Step<_2, _1>{})));
 
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
-  using PipelineState = cutlass::PipelineState<kStages>;
+  // The shared region of dS^T, P^T (wide) and dQ's staging buffers (a step's dQ tile each, in
+  // accumulator order). Narrow: side by side. Wide: the staging overlays P^T / dS^T, which the
+  // last dQ GEMMs read (fa3_bwd_wide.h), so the first dQ GEMMs' parts go to the upper half.
+  static constexpr int kdSBytes = kBlockN * kBlockM * int(sizeof(Element));
+  static constexpr int kdQBytes = kBlockM * kHeadDim * int(sizeof(float));
+  // The staging (and global accumulator) slot of part p = the column block's index: a part's
+  // values in the MMA's order, float4 j of thread t at (slot kdQPartVecs + j) 128 + t.
+  static constexpr int kdQPartVecs = kBlockM * kdQCols / 128 / 4;
+  __host__ __device__ static constexpr int dq_slot(int part) {
+    return !kWide ? part : part % 2 == 0 ? kdQParts / 2 + part / 2 : part / 2;
+  }
+  static_assert(!kWide || 2 * kdSBytes <= kdQBytes / 2, "the first parts clear of P^T / dS^T");
+  static constexpr int kdQOffset = kWide ? 0 : kdSBytes;
+  static constexpr int kScratchBytes = kWide ? std::max(2 * kdSBytes, kdQBytes)
+                                             : kdSBytes + kdQBuffers * kdQBytes;
+
+  using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
+  using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemQ>> q;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemQ>> dout;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemdSt>> ds;
-    alignas(128) float dq[2][kBlockM * kHeadDim];  // a step's dQ tile, accumulator order
-    alignas(16) float lse[kStages][kBlockM];   // the rows' lse in base 2, with Q's stage
-    alignas(16) float dsum[kStages][kBlockM];  // D = rowsum(dO o O), with dO's stage
-    typename Pipeline::SharedStorage pipe_q, pipe_do;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemdO>> dout;
+    alignas(1024) char scratch[kScratchBytes];
+    alignas(16) float lse[kStagesQ][kBlockM];    // the rows' lse in base 2, with Q's stage
+    alignas(16) float dsum[kStagesdO][kBlockM];  // D = rowsum(dO o O), with dO's stage
+    typename PipelineQ::SharedStorage pipe_q;
+    typename PipelinedO::SharedStorage pipe_do;
     alignas(8) uint64_t kv_full;  // K and V of the CTA's keys
+
+    __device__ Element* ds() { return reinterpret_cast<Element*>(scratch); }
+    __device__ Element* pt() { return reinterpret_cast<Element*>(scratch + kdSBytes); }
+    __device__ float* dq(int buffer) {
+      return reinterpret_cast<float*>(scratch + kdQOffset + buffer * kdQBytes);
+    }
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "the backward's shared memory");
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kRowBytes = kBlockM * sizeof(float);  // lse or D of a tile
-  static constexpr int kdQBytes = kBlockM * kHeadDim * sizeof(float);
 };
 
 }  // namespace flash::fa3

@@ -260,10 +260,11 @@ struct BwdPlan {
 constexpr int kBwdDqCopies = 4;
 
 inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
-  constexpr int64_t kRowPad = 64, kBlockN = 128;  // fa3_bwd_prep.cuh, fa3_bwd_traits.h
+  constexpr int64_t kRowPad = 64;  // fa3_bwd_prep.cuh
+  const int64_t block_n = kernel_hdim > 128 ? 64 : 128;  // fa3_bwd_traits.h
   const int64_t rows_pad = (p.seqlen_q + kRowPad - 1) / kRowPad * kRowPad;
   const int64_t rows = int64_t(p.batch) * p.heads * rows_pad;
-  const int64_t key_tiles = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  const int64_t key_tiles = (p.seqlen_k + block_n - 1) / block_n;
   BwdPlan plan;
   if (p.deterministic && !p.causal && p.window_right < 0) {
     plan.dq_copies = int(std::clamp<int64_t>(key_tiles, 1, kBwdDqCopies));

@@ -15,8 +15,8 @@ request): on sm90 a call with dropout runs fa2 ("fa3 does not support dropout_p 
 
 The family returned is the forward's. Its gradient runs the kernels of
 ``build_matrix.backward_family(family, head_dim, features, deterministic)``: the family's own
-backward where that takes the call, else its bwd_family's (fa3's backward takes head dims 64,
-96 and 128, dense or variable-length, any mask or score mod, deterministic or not, with
+backward where that takes the call, else its bwd_family's (fa3's backward takes every head
+dim, dense or variable-length, any mask or score mod, deterministic or not, with
 build_matrix.SHORT_Q_ROWS query rows per KV head or more; its other gradients run fa2's
 backward, on the same O / LSE conventions). A call that needs a backward can run a family only
 if that backward family is built, runs on the device and supports the call too.

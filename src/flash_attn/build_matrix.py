@@ -94,9 +94,9 @@ FAMILIES: dict[str, Family] = {
     ),
     # FlashAttention-3 for Hopper: TMA loads by a producer warpgroup, WGMMA in two or three
     # consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its backward
-    # takes head dims 64, 96 and 128, dense and variable-length calls (causal, window, softcap,
-    # ALiBi, GQA; deterministic too) with at least SHORT_Q_ROWS query rows per KV head; other
-    # gradients of its forward run fa2's backward. Dropout is not implemented, nor pages that
+    # takes every head dim of its forward, dense and variable-length calls (causal, window,
+    # softcap, ALiBi, GQA; deterministic too) with at least SHORT_Q_ROWS query rows per KV
+    # head; other gradients of its forward run fa2's backward. Dropout is not implemented, nor pages that
     # are not a multiple of 8 rows: such calls run fa2 (visibly).
     "fa3": Family(
         name="fa3",
@@ -108,7 +108,7 @@ FAMILIES: dict[str, Family] = {
                             "kvcache", "decode", "short_q"}),
         max_arch=90,
         bwd_family="fa2",
-        bwd_hdims=(64, 96, 128),
+        bwd_hdims=(64, 96, 128, 192, 256),
         bwd_features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "varlen"}),
     ),
 }
