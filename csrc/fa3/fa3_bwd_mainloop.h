@@ -63,10 +63,7 @@ struct BwdMainloop {
                                               PipelineQ& pipe_q, PipelinedO& pipe_do,
                                               const SeqInfo& seq, const BwdSteps<Tr>& steps,
                                               int n_block, int head_k, int batch) {
-    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
-    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemdO{});
+    const typename Tr::Tiles t(shared);
     const int64_t rows_q = s.rows_pad;
     const int batches = SeqInfo::view_batch(p), batches_k = SeqInfo::view_batch_k(p);
     Tensor mQ = tma.q.get_tma_tensor(
@@ -81,9 +78,9 @@ struct BwdMainloop {
                            make_coord(n_block, 0));
     Tensor gV = local_tile(seq.k_rows(p, mV, head_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                            make_coord(n_block, 0));
-    auto [tKg, tKs] = tma_partition(tma.k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK),
+    auto [tKg, tKs] = tma_partition(tma.k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(t.k),
                                     group_modes<0, 2>(gK));
-    auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
+    auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(t.v),
                                     group_modes<0, 2>(gV));
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.kv_full,
                                                                    2 * Tr::kTmaBytesKV);
@@ -98,10 +95,10 @@ struct BwdMainloop {
                              make_coord(_, 0));
       Tensor gdO = local_tile(seq.q_rows(p, mdO, head), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                               make_coord(_, 0));
-      auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+      auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(t.q),
                                       group_modes<0, 2>(gQ));
       auto [tdOg, tdOs] = tma_partition(tma.dout, Int<0>{}, Layout<_1>{},
-                                        group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+                                        group_modes<0, 2>(t.dout), group_modes<0, 2>(gdO));
       const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q;
       #pragma unroll 1
       for (int m = steps.m_begin; m < steps.m_end; ++m) {
@@ -166,23 +163,22 @@ struct BwdMainloop {
   // The consumers' wait for the CTA's K and V. Dense tiles read zeros past the sequence (TMA
   // fills rows out of bounds); variable-length ones read other rows, which the consumers zero
   // in shared memory.
-  static __device__ __forceinline__ void wait_kv(typename Tr::SharedStorage& shared, bool varlen,
+  static __device__ __forceinline__ void wait_kv(typename Tr::SharedStorage& shared,
+                                                 const typename Tr::Tiles& t, bool varlen,
                                                  int n_block, int seqlen_k) {
     cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
     if (varlen && (n_block + 1) * kBlockN > seqlen_k) {
       const int tid = threadIdx.x - 128;
-      zero_tail_rows(make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{}),
-                     seqlen_k - n_block * kBlockN, tid);
-      zero_tail_rows(make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{}),
-                     seqlen_k - n_block * kBlockN, tid);
+      zero_tail_rows(t.k, seqlen_k - n_block * kBlockN, tid);
+      zero_tail_rows(t.v, seqlen_k - n_block * kBlockN, tid);
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Tails));
     }
   }
   // The wait for step m's Q; a variable-length last tile waits for dO too and zeroes both
   // past seqlen_q.
-  template <class TQ, class TdO, class StateQ, class StatedO>
-  static __device__ __forceinline__ void wait_q(TQ& sQ, TdO& sdO, PipelineQ& pipe_q,
+  template <class StateQ, class StatedO>
+  static __device__ __forceinline__ void wait_q(const typename Tr::Tiles& t, PipelineQ& pipe_q,
                                                 PipelinedO& pipe_do, const StateQ& state_q,
                                                 const StatedO& state_do, bool varlen, int m,
                                                 int seqlen_q) {
@@ -190,8 +186,8 @@ struct BwdMainloop {
     if (varlen && (m + 1) * kBlockM > seqlen_q) {
       const int tid = threadIdx.x - 128;
       pipe_do.consumer_wait(state_do);
-      zero_tail_rows(sQ(_, _, state_q.index()), seqlen_q - m * kBlockM, tid);
-      zero_tail_rows(sdO(_, _, state_do.index()), seqlen_q - m * kBlockM, tid);
+      zero_tail_rows(t.q(_, _, state_q.index()), seqlen_q - m * kBlockM, tid);
+      zero_tail_rows(t.dout(_, _, state_do.index()), seqlen_q - m * kBlockM, tid);
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Tails));
     }
@@ -221,10 +217,7 @@ struct BwdMainloop {
                                              const BwdSteps<Tr>& steps, int n_block, int head_k,
                                              int cw, Acc& acc_dk, Acc& acc_dv) {
     const int seqlen_q = mask.seqlen_q, seqlen_k = mask.seqlen_k;
-    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
-    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemdO{});
+    const typename Tr::Tiles t(shared);
     const int wg_tid = threadIdx.x % 128;
     typename Tr::MmaSt mma_st;
     typename Tr::MmaKV mma_kv;
@@ -232,24 +225,20 @@ struct BwdMainloop {
     auto thr_st = mma_st.get_thread_slice(wg_tid);
     auto thr_kv = mma_kv.get_thread_slice(wg_tid);
     auto thr_dq = mma_dq.get_thread_slice(wg_tid);
-    Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQt{});
-    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemdOt{});
-    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKt{});
-    Tensor sdSt = make_tensor(make_smem_ptr(shared.ds()), typename Tr::SmemdSt{});
-    Tensor sdS = make_tensor(make_smem_ptr(shared.ds()), typename Tr::SmemdS{});
 
-    Tensor sK_wg = local_tile(sK, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
-    Tensor sV_wg = local_tile(sV, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
+    Tensor sK_wg = local_tile(t.k, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
+    Tensor sV_wg = local_tile(t.v, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
     Tensor tSrK = thr_st.partition_fragment_A(sK_wg);    // (MMA, M, K)
-    Tensor tSrQ = thr_st.partition_fragment_B(sQ);       // (MMA, N, K, stage)
+    Tensor tSrQ = thr_st.partition_fragment_B(t.q);       // (MMA, N, K, stage)
     Tensor tdPrV = thr_st.partition_fragment_A(sV_wg);
-    Tensor tdPrdO = thr_st.partition_fragment_B(sdO);
-    Tensor tdVrdO = thr_kv.partition_fragment_B(sdOt);   // (MMA, N, K, stage)
-    Tensor tdKrQ = thr_kv.partition_fragment_B(sQt);
-    Tensor sKt_c = local_tile(sKt, Shape<Int<Tr::kdQCols>, Int<kBlockN>>{}, make_coord(cw, 0));
-    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);    // (MMA, M, K)
+    Tensor tdPrdO = thr_st.partition_fragment_B(t.dout);
+    Tensor tdVrdO = thr_kv.partition_fragment_B(t.doutt);   // (MMA, N, K, stage)
+    Tensor tdKrQ = thr_kv.partition_fragment_B(t.qt);
+    Tensor sKt_c = local_tile(t.kt, Shape<Int<Tr::kdQCols>, Int<kBlockN>>{},
+                              make_coord(cw, 0));
+    Tensor tdQrdS = thr_dq.partition_fragment_A(t.ds);    // (MMA, M, K)
     Tensor tdQrK = thr_dq.partition_fragment_B(sKt_c);   // (MMA, N, K)
-    Tensor sdSt_wg = local_tile(sdSt, Shape<_64, Int<kBlockM>>{}, make_coord(cw, 0));
+    Tensor sdSt_wg = local_tile(t.dst, Shape<_64, Int<kBlockM>>{}, make_coord(cw, 0));
     // dS^T from registers by stmatrix (four 8 x 8 blocks an instruction).
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_st);
     auto r2s_thr = r2s_ds.get_thread_slice(wg_tid);
@@ -261,7 +250,7 @@ struct BwdMainloop {
     const bool varlen = p.cu_seqlens_q != nullptr;
 
     if (steps.count() == 0) return;  // dK = dV = 0
-    wait_kv(shared, varlen, n_block, seqlen_k);
+    wait_kv(shared, t, varlen, n_block, seqlen_k);
     static_assert(Tr::kStagesQ == Tr::kStagesdO);  // one state for both pipelines
     cutlass::PipelineState<Tr::kStagesQ> state;
     int buf = 0;  // the dQ staging buffer of this step
@@ -275,7 +264,7 @@ struct BwdMainloop {
         const int stage = state.index();
         Tensor acc_s = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
-        wait_q(sQ, sdO, pipe_q, pipe_do, state, state, varlen, m, seqlen_q);
+        wait_q(t, pipe_q, pipe_do, state, state, varlen, m, seqlen_q);
         wgmma(mma_st, tSrK, tSrQ(_, _, _, stage), acc_s, true);
         pipe_do.consumer_wait(state);
         wgmma(mma_st, tdPrV, tdPrdO(_, _, _, stage), acc_dp, true);

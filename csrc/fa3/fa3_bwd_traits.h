@@ -131,6 +131,30 @@ struct BwdTraits {
       return reinterpret_cast<float*>(scratch + kdQOffset + buffer * kdQBytes);
     }
   };
+  template <class Layout>
+  using SmemView = decltype(make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), Layout{}));
+  // The shared-memory tiles as the loads and GEMMs see them (*t: transposed views).
+  struct Tiles {
+    SmemView<SmemKV> k, v;
+    SmemView<SmemKt> kt;
+    SmemView<SmemQ> q;
+    SmemView<SmemQt> qt;
+    SmemView<SmemdO> dout;
+    SmemView<SmemdOt> doutt;
+    SmemView<SmemdSt> dst, pt;  // dS^T, P^T (wide)
+    SmemView<SmemdS> ds;        // dS^T's memory as dS
+    __device__ explicit Tiles(SharedStorage& s)
+        : k(make_tensor(make_smem_ptr(s.k.data()), SmemKV{})),
+          v(make_tensor(make_smem_ptr(s.v.data()), SmemKV{})),
+          kt(make_tensor(make_smem_ptr(s.k.data()), SmemKt{})),
+          q(make_tensor(make_smem_ptr(s.q.data()), SmemQ{})),
+          qt(make_tensor(make_smem_ptr(s.q.data()), SmemQt{})),
+          dout(make_tensor(make_smem_ptr(s.dout.data()), SmemdO{})),
+          doutt(make_tensor(make_smem_ptr(s.dout.data()), SmemdOt{})),
+          dst(make_tensor(make_smem_ptr(s.ds()), SmemdSt{})),
+          pt(make_tensor(make_smem_ptr(s.pt()), SmemdSt{})),
+          ds(make_tensor(make_smem_ptr(s.ds()), SmemdS{})) {}
+  };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "the backward's shared memory");
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);

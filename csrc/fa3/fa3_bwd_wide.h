@@ -40,16 +40,7 @@ struct BwdWideConsumer {
                                              const Mask& mask, const BwdSteps<Tr>& steps,
                                              int n_block, int head_k, int cw, Acc& acc_dk,
                                              Acc& acc_dv) {
-    Tensor sK = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKV{});
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
-    Tensor sKt = make_tensor(make_smem_ptr(shared.k.data()), typename Tr::SmemKt{});
-    Tensor sQ = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQ{});
-    Tensor sQt = make_tensor(make_smem_ptr(shared.q.data()), typename Tr::SmemQt{});
-    Tensor sdO = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemdO{});
-    Tensor sdOt = make_tensor(make_smem_ptr(shared.dout.data()), typename Tr::SmemdOt{});
-    Tensor sPt = make_tensor(make_smem_ptr(shared.pt()), typename Tr::SmemdSt{});
-    Tensor sdSt = make_tensor(make_smem_ptr(shared.ds()), typename Tr::SmemdSt{});
-    Tensor sdS = make_tensor(make_smem_ptr(shared.ds()), typename Tr::SmemdS{});
+    const typename Tr::Tiles t(shared);
     const int wg_tid = threadIdx.x % 128;
     typename Tr::MmaSt mma_st;
     typename Tr::MmaKV mma_kv;
@@ -59,33 +50,34 @@ struct BwdWideConsumer {
     auto thr_dq = mma_dq.get_thread_slice(wg_tid);
 
     // S^T / dP^T: K / V by the consumer's rows of Q / dO.
-    Tensor sQ_c = local_tile(sQ, Shape<Int<kRows>, Int<kHeadDim>, Int<Tr::kStagesQ>>{},
+    Tensor sQ_c = local_tile(t.q, Shape<Int<kRows>, Int<kHeadDim>, Int<Tr::kStagesQ>>{},
                              make_coord(cw, 0, 0));
-    Tensor sdO_c = local_tile(sdO, Shape<Int<kRows>, Int<kHeadDim>, Int<Tr::kStagesdO>>{},
+    Tensor sdO_c = local_tile(t.dout, Shape<Int<kRows>, Int<kHeadDim>, Int<Tr::kStagesdO>>{},
                               make_coord(cw, 0, 0));
-    Tensor tSrK = thr_st.partition_fragment_A(sK);      // (MMA, M, K)
+    Tensor tSrK = thr_st.partition_fragment_A(t.k);      // (MMA, M, K)
     Tensor tSrQ = thr_st.partition_fragment_B(sQ_c);    // (MMA, N, K, stage)
-    Tensor tdPrV = thr_st.partition_fragment_A(sV);
+    Tensor tdPrV = thr_st.partition_fragment_A(t.v);
     Tensor tdPrdO = thr_st.partition_fragment_B(sdO_c);
     // dV / dK: P^T / dS^T (keys, rows) by the half's dO / Q seen as (head_dim, rows).
-    Tensor sdOt_c = local_tile(sdOt, Shape<Int<kCols>, Int<kBlockM>, Int<Tr::kStagesdO>>{},
+    Tensor sdOt_c = local_tile(t.doutt, Shape<Int<kCols>, Int<kBlockM>, Int<Tr::kStagesdO>>{},
                                make_coord(cw, 0, 0));
-    Tensor sQt_c = local_tile(sQt, Shape<Int<kCols>, Int<kBlockM>, Int<Tr::kStagesQ>>{},
+    Tensor sQt_c = local_tile(t.qt, Shape<Int<kCols>, Int<kBlockM>, Int<Tr::kStagesQ>>{},
                               make_coord(cw, 0, 0));
-    Tensor tdVrP = thr_kv.partition_fragment_A(sPt);
+    Tensor tdVrP = thr_kv.partition_fragment_A(t.pt);
     Tensor tdVrdO = thr_kv.partition_fragment_B(sdOt_c);  // (MMA, N, K, stage)
-    Tensor tdKrdS = thr_kv.partition_fragment_A(sdSt);
+    Tensor tdKrdS = thr_kv.partition_fragment_A(t.dst);
     Tensor tdKrQ = thr_kv.partition_fragment_B(sQt_c);
-    // dQ: dS (rows, keys) by the quarters 2 cw, 2 cw + 1 of K seen as (head_dim, keys).
-    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+    // dQ: dS (rows, keys) by the quarters 2 cw, 2 cw + 1 of K seen as (head_dim, keys);
+    // tdQrK's last mode is the quarter.
+    Tensor tdQrdS = thr_dq.partition_fragment_A(t.ds);
     Tensor tdQrK = thr_dq.partition_fragment_B(
-        local_tile(sKt, Shape<Int<Tr::kdQCols>, Int<kBlockN>>{}, make_coord(_, 0)));  // (.., part)
+        local_tile(t.kt, Shape<Int<Tr::kdQCols>, Int<kBlockN>>{}, make_coord(_, 0)));
     // P^T / dS^T columns [32 cw, 32 cw + 32) from registers by stmatrix.
     auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_st);
     auto r2s_thr = r2s.get_thread_slice(wg_tid);
-    Tensor tPsP = r2s_thr.partition_D(local_tile(sPt, Shape<_64, Int<kRows>>{},
+    Tensor tPsP = r2s_thr.partition_D(local_tile(t.pt, Shape<_64, Int<kRows>>{},
                                                  make_coord(0, cw)));
-    Tensor tdSsdS = r2s_thr.partition_D(local_tile(sdSt, Shape<_64, Int<kRows>>{},
+    Tensor tdSsdS = r2s_thr.partition_D(local_tile(t.dst, Shape<_64, Int<kRows>>{},
                                                    make_coord(0, cw)));
 
     // (key, row) of each S^T element, less (key0, rows0 + the step's first row).
@@ -95,7 +87,7 @@ struct BwdWideConsumer {
     const bool varlen = p.cu_seqlens_q != nullptr;
 
     if (steps.count() == 0) return;  // dK = dV = 0
-    Mainloop::wait_kv(shared, varlen, n_block, mask.seqlen_k);
+    Mainloop::wait_kv(shared, t, varlen, n_block, mask.seqlen_k);
     cutlass::PipelineState<Tr::kStagesQ> state_q;
     cutlass::PipelineState<Tr::kStagesdO> state_do;
     #pragma unroll 1
@@ -108,7 +100,7 @@ struct BwdWideConsumer {
         const int sq = state_q.index(), sdo = state_do.index();
         Tensor acc_s = partition_fragment_C(mma_st, Shape<_64, Int<kRows>>{});
         Tensor acc_dp = partition_fragment_C(mma_st, Shape<_64, Int<kRows>>{});
-        Mainloop::wait_q(sQ, sdO, pipe_q, pipe_do, state_q, state_do, varlen, m, mask.seqlen_q);
+        Mainloop::wait_q(t, pipe_q, pipe_do, state_q, state_do, varlen, m, mask.seqlen_q);
         wgmma(mma_st, tSrK, tSrQ(_, _, _, sq), acc_s, true);
         pipe_do.consumer_wait(state_do);
         wgmma(mma_st, tdPrV, tdPrdO(_, _, _, sdo), acc_dp, true);
