@@ -2,8 +2,8 @@
 //   warpgroup 0, the producer: one thread loads the CTA's K and V once, then each step's Q and
 //     dO tiles (TMA) with their rows' lse and D (bulk copies) into pipelines; its second warp,
 //     the dQ writer, adds each step's staged dQ tile to the accumulator;
-//   warpgroups 1-2, the consumers, per step (kBlockM query rows of one head), at head dims up
-//   to 128 64 keys each:
+//   warpgroups 1-2, the consumers, per step (kBlockM query rows of one head); at head dims up
+//   to 128, 64 keys each:
 //     S^T = K Q^T, dP^T = V dO^T           SS WGMMA
 //     P^T = exp2(S^T scale - lse), dS^T = P^T o (dP^T - D)
 //     dV += P^T dO, dK += dS^T Q           RS WGMMA, P^T / dS^T from registers
@@ -12,8 +12,9 @@
 //   and at 192 / 256 half the rows of S^T / dP^T each and dK / dV of half the head dim, from
 //   P^T / dS^T in shared memory (fa3_bwd_wide.h; fa3_bwd_traits.h says why);
 //   and at the end write dK (times softmax_scale) and dV.
-// The roles' code: fa3_bwd_mainloop.h (the producer's loads, the consumers' steps),
-// fa3_bwd_wide.h and fa3_bwd_epilogue.h (the dQ writer, the dK / dV stores).
+// The roles' code: fa3_bwd_mainloop.h (the producer's loads, the narrow tile's consumer
+// steps and the pieces both tiles share), fa3_bwd_wide.h (the wide tile's consumer steps),
+// fa3_bwd_epilogue.h (the dQ writer, the dK / dV stores).
 // The steps walk every query head of the KV head's group, so dK / dV of a group are summed in
 // registers. Dense or variable-length; causal, window, softcap and ALiBi (fa3_bwd_score.h);
 // deterministic (below); no dropout.
@@ -24,8 +25,9 @@
 // later key tiles that walk the query tile, common/query_tiles.h), adds, waits for the add to
 // complete and passes the turn on. The grid then puts a head's last key tile first, so the
 // turn always comes from an earlier CTA, which never waits on a later one: the waits end. With
-// a causal or windowed mask a later key tile starts its walk two query tiles further on, so
-// it reaches each dQ tile two steps before this one and the turns seldom wait. Without one
+// a causal or windowed mask a later key tile starts its walk kBlockN / kBlockM query tiles
+// further on (2; 1 in the wide tile), so it reaches each dQ tile that many steps before this
+// one and the turns seldom wait. Without one
 // every key tile walks the same tiles in the same order, and a dQ tile's turns form a chain
 // through all of them: there the key tiles add into s.dq_copies accumulators by n modulo the
 // copies, which the conversion sums in order, and the chains are that many times shorter.

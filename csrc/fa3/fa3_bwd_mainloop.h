@@ -1,6 +1,7 @@
-// The FA3 backward's walk (fa3_bwd_kernel.cuh): the producer thread's loads of K / V and of each
-// step's Q, dO, lse and D, and the consumers' steps (S^T, dP^T, P^T, dS^T, dV, dK, dQ staged
-// for the dQ writer, fa3_bwd_epilogue.h), over the query tiles that see the CTA's keys.
+// The FA3 backward's walk (fa3_bwd_kernel.cuh) over the query tiles that see the CTA's keys:
+// the producer thread's loads of K / V and of each step's Q, dO, lse and D; the narrow tile's
+// consumer steps (S^T, dP^T, P^T, dS^T, dV, dK, dQ staged for the dQ writer,
+// fa3_bwd_epilogue.h); and the pieces the wide tile's steps (fa3_bwd_wide.h) share with them.
 #pragma once
 
 #include <type_traits>

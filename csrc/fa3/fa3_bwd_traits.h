@@ -18,6 +18,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "common/fragment.h"
+#include "fa3/fa3_plan.h"
 
 namespace flash::fa3 {
 
@@ -31,8 +32,8 @@ struct BwdTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 ||
                     kHeadDim == 256,
                 "the backward's tiles: head dim 64, 96, 128, 192 or 256");
-  static constexpr bool kWide = kHeadDim > 128;
-  static constexpr int kBlockM = 64, kBlockN = kWide ? 64 : 128;
+  static constexpr int kBlockM = 64, kBlockN = bwd_block_n(kHeadDim);
+  static constexpr bool kWide = kBlockN == 64;
   // dO has one stage at 256: two would not fit beside dQ's 64 KB staging.
   static constexpr int kStagesQ = 2, kStagesdO = kHeadDim > 192 ? 1 : 2;
   static constexpr int kdQBuffers = kWide ? 1 : 2;  // dQ staging buffers
@@ -72,7 +73,7 @@ struct BwdTraits {
   // A tile read MN-major in column blocks of n (the dQ GEMMs' blocks of K^T; the wide dK / dV
   // GEMMs' Q^T / dO^T halves) needs swizzle rows that divide n (96: the 64-byte one, 48: the
   // 32-byte one).
-  using SwizzleAtomQ = SwizzleFor<kWide ? kHeadDim / 2 : kHeadDim>;
+  using SwizzleAtomQ = SwizzleFor<kKVCols>;
   using SwizzleAtomKV = SwizzleFor<kdQCols>;
   using SwizzleAtom = GMMA::Layout_K_SW128_Atom<Element>;  // rows of 64 elements
   template <int kStages>
@@ -100,8 +101,9 @@ struct BwdTraits {
   // last dQ GEMMs read (fa3_bwd_wide.h), so the first dQ GEMMs' parts go to the upper half.
   static constexpr int kdSBytes = kBlockN * kBlockM * int(sizeof(Element));
   static constexpr int kdQBytes = kBlockM * kHeadDim * int(sizeof(float));
-  // The staging (and global accumulator) slot of part p = the column block's index: a part's
-  // values in the MMA's order, float4 j of thread t at (slot kdQPartVecs + j) 128 + t.
+  // Part p of the dQ tile is column block p; its slot in the staging (and the global
+  // accumulator) is dq_slot(p), its values in the MMA's order: float4 j of thread t at
+  // (slot kdQPartVecs + j) 128 + t.
   static constexpr int kdQPartVecs = kBlockM * kdQCols / 128 / 4;
   __host__ __device__ static constexpr int dq_slot(int part) {
     return !kWide ? part : part % 2 == 0 ? kdQParts / 2 + part / 2 : part / 2;
@@ -126,6 +128,7 @@ struct BwdTraits {
     alignas(8) uint64_t kv_full;  // K and V of the CTA's keys
 
     __device__ Element* ds() { return reinterpret_cast<Element*>(scratch); }
+    // The wide tile's only: in the narrow one this is dQ staging buffer 0.
     __device__ Element* pt() { return reinterpret_cast<Element*>(scratch + kdSBytes); }
     __device__ float* dq(int buffer) {
       return reinterpret_cast<float*>(scratch + kdQOffset + buffer * kdQBytes);

@@ -254,6 +254,10 @@ struct BwdPlan {
   int dq_copies = 1;            // dQ accumulators (deterministic mode, fa3_bwd_kernel.cuh)
 };
 
+// The backward's keys a CTA (BwdTraits::kBlockN): 64 where dK / dV of 128 keys would not fit
+// in registers (fa3_bwd_traits.h).
+constexpr int bwd_block_n(int kernel_hdim) { return kernel_hdim > 128 ? 64 : 128; }
+
 // Deterministic calls whose key tiles all walk the same query tiles (no right bound on the
 // keys a row sees) add into this many dQ accumulators, summed in order at the conversion: the
 // chain of turns a dQ tile waits through is a quarter as long (fa3_bwd_kernel.cuh).
@@ -261,7 +265,7 @@ constexpr int kBwdDqCopies = 4;
 
 inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
   constexpr int64_t kRowPad = 64;  // fa3_bwd_prep.cuh
-  const int64_t block_n = kernel_hdim > 128 ? 64 : 128;  // fa3_bwd_traits.h
+  const int64_t block_n = bwd_block_n(kernel_hdim);
   const int64_t rows_pad = (p.seqlen_q + kRowPad - 1) / kRowPad * kRowPad;
   const int64_t rows = int64_t(p.batch) * p.heads * rows_pad;
   const int64_t key_tiles = (p.seqlen_k + block_n - 1) / block_n;

@@ -108,7 +108,6 @@ FAMILIES: dict[str, Family] = {
                             "kvcache", "decode", "short_q"}),
         max_arch=90,
         bwd_family="fa2",
-        bwd_hdims=(64, 96, 128, 192, 256),
         bwd_features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "varlen"}),
     ),
 }
