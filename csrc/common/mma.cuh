@@ -170,7 +170,8 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
       "@!done bra wait%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 #endif
 }
-// Orders this thread's generic-proxy shared-memory writes before later bulk copies' writes.
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones
+// (bulk copies and reduce-adds reading or writing that memory).
 __device__ __forceinline__ void fence_proxy_async() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

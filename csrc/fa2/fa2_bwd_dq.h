@@ -107,13 +107,6 @@ constexpr bool kHasBulkReduce = true;
 constexpr bool kHasBulkReduce = false;
 #endif
 
-// Orders this thread's shared-memory stores before a later async-proxy (bulk copy) read.
-__device__ __forceinline__ void fence_async_shared() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-
 // Turn-taking on one counter of the deterministic mode. All threads of the block call both.
 struct DqTurn {
   __device__ static void wait(const int* counter, int turn) {

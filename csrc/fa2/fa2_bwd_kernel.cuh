@@ -411,7 +411,7 @@ __device__ __forceinline__ void bwd_key_tile(const BwdParams& p, char* smem, int
           gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_dq, ldsm_dq_a, ldsm_dq_b);
           if (bulk_dq) {
             dq_stage<kHeadDim>(smem_dq, acc_dq, tdQcdQ);
-            fence_async_shared();
+            fence_proxy_async();
             if (tid == 0) dq_pending = dq_head + int64_t(row0) * kHeadDim;  // the tile's range
             continue;
           }

@@ -22,7 +22,6 @@
 
 namespace flash::fa3 {
 
-constexpr int kBwdRowPad = 64;  // BwdTraits::kBlockM
 constexpr int kBwdPrepThreads = 256;
 // The preprocess's lanes a row: 16 bytes of dO and O each, rounded up to a power of two (the
 // shuffle reduction; at head dim 96 four of 16 lanes idle).

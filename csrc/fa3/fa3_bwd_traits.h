@@ -32,7 +32,7 @@ struct BwdTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 ||
                     kHeadDim == 256,
                 "the backward's tiles: head dim 64, 96, 128, 192 or 256");
-  static constexpr int kBlockM = 64, kBlockN = bwd_block_n(kHeadDim);
+  static constexpr int kBlockM = kBwdRowPad, kBlockN = bwd_block_n(kHeadDim);
   static constexpr bool kWide = kBlockN == 64;
   // dO has one stage at 256: two would not fit beside dQ's 64 KB staging.
   static constexpr int kStagesQ = 2, kStagesdO = kHeadDim > 192 ? 1 : 2;

@@ -257,6 +257,9 @@ struct BwdPlan {
 // The backward's keys a CTA (BwdTraits::kBlockN): 64 where dK / dV of 128 keys would not fit
 // in registers (fa3_bwd_traits.h).
 constexpr int bwd_block_n(int kernel_hdim) { return kernel_hdim > 128 ? 64 : 128; }
+// Its query rows a step (BwdTraits::kBlockM), to which each (batch, head)'s scratch rows are
+// padded (fa3_bwd_prep.cuh).
+constexpr int kBwdRowPad = 64;
 
 // Deterministic calls whose key tiles all walk the same query tiles (no right bound on the
 // keys a row sees) add into this many dQ accumulators, summed in order at the conversion: the
@@ -264,16 +267,14 @@ constexpr int bwd_block_n(int kernel_hdim) { return kernel_hdim > 128 ? 64 : 128
 constexpr int kBwdDqCopies = 4;
 
 inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
-  constexpr int64_t kRowPad = 64;  // fa3_bwd_prep.cuh
-  const int64_t block_n = bwd_block_n(kernel_hdim);
-  const int64_t rows_pad = (p.seqlen_q + kRowPad - 1) / kRowPad * kRowPad;
-  const int64_t rows = int64_t(p.batch) * p.heads * rows_pad;
-  const int64_t key_tiles = (p.seqlen_k + block_n - 1) / block_n;
+  using plan_detail::ceil_div;
+  const int64_t rows = int64_t(p.batch) * p.heads * ceil_div(p.seqlen_q, kBwdRowPad) * kBwdRowPad;
+  const int64_t key_tiles = ceil_div(p.seqlen_k, bwd_block_n(kernel_hdim));
   BwdPlan plan;
   if (p.deterministic && !p.causal && p.window_right < 0) {
     plan.dq_copies = int(std::clamp<int64_t>(key_tiles, 1, kBwdDqCopies));
   }
-  const int64_t turns = p.deterministic ? plan.dq_copies * rows / kRowPad : 0;
+  const int64_t turns = p.deterministic ? plan.dq_copies * rows / kBwdRowPad : 0;
   plan.workspace_bytes = rows * (kernel_hdim * plan.dq_copies + 2) * 4 + turns * 4;
   return plan;
 }
