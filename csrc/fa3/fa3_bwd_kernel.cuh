@@ -59,8 +59,9 @@ __device__ __forceinline__ typename Pipeline::Params bwd_pipe_params(int wg) {
   return params;
 }
 
-// kScoreMod: softcap or ALiBi may be on (BwdMainloop::softmax_grad).
-template <class Tr, class Tma, bool kScoreMod>
+// kScoreMod: softcap or ALiBi may be on (BwdMainloop::softmax_grad); kVRegs: the narrow
+// tile's dP^T reads V from registers (BwdTraits::kVRegs).
+template <class Tr, class Tma, bool kScoreMod, bool kVRegs>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ Tma tma,
                const BwdScratch s) {
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     BwdEpilogue<Tr>::store_dkdv(p, seq, head_k, n_block * kBlockN, kKVCols * cw, acc_dk,
                                 acc_dv);
   } else {  // keys [64 cw, 64 cw + 64) of the tile, all the head dim
-    BwdMainloop<Tr>::template mma<kScoreMod>(p, shared, pipe_q, pipe_do, seq, mask, steps,
+    BwdMainloop<Tr>::template mma<kScoreMod, kVRegs>(p, shared, pipe_q, pipe_do, seq, mask, steps,
                                              n_block, head_k, cw, acc_dk, acc_dv);
     BwdEpilogue<Tr>::store_dkdv(p, seq, head_k, n_block * kBlockN + 64 * cw, 0, acc_dk,
                                 acc_dv);

@@ -23,6 +23,16 @@
 
 namespace flash::fa3 {
 
+// rs if kRegs, else ss (the tiled MMA of a GEMM whose A operand may come from registers).
+template <bool kRegs, class Rs, class Ss>
+__device__ __forceinline__ auto& pick(Rs& rs, Ss& ss) {
+  if constexpr (kRegs) {
+    return rs;
+  } else {
+    return ss;
+  }
+}
+
 // Rows [from, rows) of a (rows, kHeadDim) shared-memory tile set to 0 by the 256 consumer
 // threads: a variable-length sequence's tile runs into the next sequence's rows, or into rows
 // past seqused that may hold anything (NaN times a zero P is NaN).
@@ -206,12 +216,12 @@ struct BwdMainloop {
       dq_s[j * 128 + threadIdx.x % 128] =
           make_float4(acc_dq(4 * j), acc_dq(4 * j + 1), acc_dq(4 * j + 2), acc_dq(4 * j + 3));
     }
-    cutlass::arch::fence_view_async_shared();
   }
 
   // Consumer cw (keys [64 cw, 64 cw + 64) of the tile): the steps (if any), summing dK and dV
-  // into acc_dk / acc_dv and handing each step's dQ tile to the dQ writer.
-  template <bool kScoreMod, class Acc>
+  // into acc_dk / acc_dv and handing each step's dQ tile to the dQ writer. kVRegs: dP^T's V
+  // from registers (Tr::kVRegs).
+  template <bool kScoreMod, bool kVRegs, class Acc>
   static __device__ __forceinline__ void mma(const BwdParams& p, typename Tr::SharedStorage& shared,
                                              PipelineQ& pipe_q, PipelinedO& pipe_do,
                                              const SeqInfo& seq, const Mask& mask,
@@ -221,9 +231,13 @@ struct BwdMainloop {
     const typename Tr::Tiles t(shared);
     const int wg_tid = threadIdx.x % 128;
     typename Tr::MmaSt mma_st;
+    typename Tr::MmaStRS mma_rs;
     typename Tr::MmaKV mma_kv;
     typename Tr::MmadQ mma_dq;
+    static_assert(!kVRegs || Tr::kVRegs);
+    auto& mma_dp = pick<kVRegs>(mma_rs, mma_st);  // dP^T's
     auto thr_st = mma_st.get_thread_slice(wg_tid);
+    auto thr_dp = mma_dp.get_thread_slice(wg_tid);
     auto thr_kv = mma_kv.get_thread_slice(wg_tid);
     auto thr_dq = mma_dq.get_thread_slice(wg_tid);
 
@@ -231,8 +245,8 @@ struct BwdMainloop {
     Tensor sV_wg = local_tile(t.v, Shape<_64, Int<kHeadDim>>{}, make_coord(cw, 0));
     Tensor tSrK = thr_st.partition_fragment_A(sK_wg);    // (MMA, M, K)
     Tensor tSrQ = thr_st.partition_fragment_B(t.q);       // (MMA, N, K, stage)
-    Tensor tdPrV = thr_st.partition_fragment_A(sV_wg);
-    Tensor tdPrdO = thr_st.partition_fragment_B(t.dout);
+    Tensor tdPrV = thr_dp.partition_fragment_A(sV_wg);   // registers if kVRegs
+    Tensor tdPrdO = thr_dp.partition_fragment_B(t.dout);
     Tensor tdVrdO = thr_kv.partition_fragment_B(t.doutt);   // (MMA, N, K, stage)
     Tensor tdKrQ = thr_kv.partition_fragment_B(t.qt);
     Tensor sKt_c = local_tile(t.kt, Shape<Int<Tr::kdQCols>, Int<kBlockN>>{},
@@ -252,6 +266,11 @@ struct BwdMainloop {
 
     if (steps.count() == 0) return;  // dK = dV = 0
     wait_kv(shared, t, varlen, n_block, seqlen_k);
+    if constexpr (kVRegs) {  // V into registers, once
+      auto s2r = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_rs);
+      auto s2r_thr = s2r.get_thread_slice(wg_tid);
+      copy(s2r, s2r_thr.partition_S(sV_wg), s2r_thr.retile_D(tdPrV));
+    }
     static_assert(Tr::kStagesQ == Tr::kStagesdO);  // one state for both pipelines
     cutlass::PipelineState<Tr::kStagesQ> state;
     int buf = 0;  // the dQ staging buffer of this step
@@ -268,7 +287,7 @@ struct BwdMainloop {
         wait_q(t, pipe_q, pipe_do, state, state, varlen, m, seqlen_q);
         wgmma(mma_st, tSrK, tSrQ(_, _, _, stage), acc_s, true);
         pipe_do.consumer_wait(state);
-        wgmma(mma_st, tdPrV, tdPrdO(_, _, _, stage), acc_dp, true);
+        wgmma(mma_dp, tdPrV, tdPrdO(_, _, _, stage), acc_dp, true);
         softmax_grad<kScoreMod>(score, mod, acc_s, acc_dp, cS, key0, m * kBlockM, 0,
                                 shared.lse[stage], shared.dsum[stage],
                                 score.masked<kBlockM>(key0, m * kBlockM));
@@ -296,6 +315,7 @@ struct BwdMainloop {
         // This step's dQ into buffer buf once the writer has read what it held.
         cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + buf);
         stage_dq(shared.dq(buf), acc_dq, cw);
+        cutlass::arch::fence_view_async_shared();  // before the writer's bulk read
         cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + buf);
         buf ^= 1;
         warpgroup_wait<0>();  // dK

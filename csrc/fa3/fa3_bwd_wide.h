@@ -133,6 +133,7 @@ struct BwdWideConsumer {
         // Both consumers' GEMMs have read P^T / dS^T: the staging may overwrite them.
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFree));
         Mainloop::stage_dq(shared.dq(0), acc_dq1, 2 * cw + 1);
+        cutlass::arch::fence_view_async_shared();  // both parts, before the writer's bulk read
         cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull));
         ++state_q;
         ++state_do;
