@@ -49,7 +49,8 @@ struct BwdTraits {
   using MmaSt = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, ShapeSt>()));
   // dP^T with V from registers (loaded once: the CTA's for all its steps), where V fits beside
   // dK / dV: the narrow tile up to head dim 96 (at 128 it serialises the WGMMAs, ptxas C7512).
-  using MmaStRS = decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, ShapeSt>()));
+  using MmaStRS =
+      decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, ShapeSt>()));
   static constexpr bool kVRegs = !kWide && kHeadDim <= 96;
   // dV += P^T dO and dK += dS^T Q; B (dO, Q seen as (head_dim, rows)) MN-major; A from
   // registers (narrow) or shared memory (wide, K-major).
