@@ -119,8 +119,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     BwdEpilogue<Tr>::store_dkdv(p, seq, head_k, n_block * kBlockN, kKVCols * cw, acc_dk,
                                 acc_dv);
   } else {  // keys [64 cw, 64 cw + 64) of the tile, all the head dim
-    BwdMainloop<Tr>::template mma<kScoreMod, kVRegs>(p, shared, pipe_q, pipe_do, seq, mask, steps,
-                                             n_block, head_k, cw, acc_dk, acc_dv);
+    BwdMainloop<Tr>::template mma<kScoreMod, kVRegs>(p, shared, pipe_q, pipe_do, seq, mask,
+                                                     steps, n_block, head_k, cw, acc_dk, acc_dv);
     BwdEpilogue<Tr>::store_dkdv(p, seq, head_k, n_block * kBlockN + 64 * cw, 0, acc_dk,
                                 acc_dv);
   }
