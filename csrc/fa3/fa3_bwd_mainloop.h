@@ -23,16 +23,6 @@
 
 namespace flash::fa3 {
 
-// rs if kRegs, else ss (the tiled MMA of a GEMM whose A operand may come from registers).
-template <bool kRegs, class Rs, class Ss>
-__device__ __forceinline__ auto& pick(Rs& rs, Ss& ss) {
-  if constexpr (kRegs) {
-    return rs;
-  } else {
-    return ss;
-  }
-}
-
 // Rows [from, rows) of a (rows, kHeadDim) shared-memory tile set to 0 by the 256 consumer
 // threads: a variable-length sequence's tile runs into the next sequence's rows, or into rows
 // past seqused that may hold anything (NaN times a zero P is NaN).
@@ -230,12 +220,11 @@ struct BwdMainloop {
     const int seqlen_q = mask.seqlen_q, seqlen_k = mask.seqlen_k;
     const typename Tr::Tiles t(shared);
     const int wg_tid = threadIdx.x % 128;
+    static_assert(!kVRegs || Tr::kVRegs);
     typename Tr::MmaSt mma_st;
-    typename Tr::MmaStRS mma_rs;
+    std::conditional_t<kVRegs, typename Tr::MmaStRS, typename Tr::MmaSt> mma_dp;  // dP^T's
     typename Tr::MmaKV mma_kv;
     typename Tr::MmadQ mma_dq;
-    static_assert(!kVRegs || Tr::kVRegs);
-    auto& mma_dp = pick<kVRegs>(mma_rs, mma_st);  // dP^T's
     auto thr_st = mma_st.get_thread_slice(wg_tid);
     auto thr_dp = mma_dp.get_thread_slice(wg_tid);
     auto thr_kv = mma_kv.get_thread_slice(wg_tid);
@@ -267,7 +256,7 @@ struct BwdMainloop {
     if (steps.count() == 0) return;  // dK = dV = 0
     wait_kv(shared, t, varlen, n_block, seqlen_k);
     if constexpr (kVRegs) {  // V into registers, once
-      auto s2r = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_rs);
+      auto s2r = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_dp);
       auto s2r_thr = s2r.get_thread_slice(wg_tid);
       copy(s2r, s2r_thr.partition_S(sV_wg), s2r_thr.retile_D(tdPrV));
     }

@@ -133,21 +133,22 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     const int row0 = int(tile % tiles_per_head) * kBlockM, h = int(bh % p.heads);
     const SeqInfo seq(p, int(bh / p.heads));
     const float4* src = reinterpret_cast<const float4*>(s.dq + tile * kBlockM * kHeadDim);
+    // This thread's first value of column block cw + 2 i in accumulator copy c.
+    auto part = [&](int c, int i) {
+      return src + c * s.dq_copy_stride / 4 + Tr::dq_slot(cw + 2 * i) * kVecs * 128 + tid;
+    };
     float4 v[kParts][kVecs];
     CUTE_UNROLL
     for (int i = 0; i < kParts; ++i) {
-      const float4* part = src + Tr::dq_slot(cw + 2 * i) * kVecs * 128 + tid;
       CUTE_UNROLL
-      for (int j = 0; j < kVecs; ++j) v[i][j] = part[j * 128];
+      for (int j = 0; j < kVecs; ++j) v[i][j] = part(0, i)[j * 128];
     }
     for (int c = 1; c < s.dq_copies; ++c) {  // in order: deterministic
       CUTE_UNROLL
       for (int i = 0; i < kParts; ++i) {
-        const float4* part =
-            src + c * s.dq_copy_stride / 4 + Tr::dq_slot(cw + 2 * i) * kVecs * 128 + tid;
         CUTE_UNROLL
         for (int j = 0; j < kVecs; ++j) {
-          const float4 w = part[j * 128];
+          const float4 w = part(c, i)[j * 128];
           v[i][j].x += w.x, v[i][j].y += w.y, v[i][j].z += w.z, v[i][j].w += w.w;
         }
       }
