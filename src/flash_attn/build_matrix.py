@@ -96,8 +96,8 @@ FAMILIES: dict[str, Family] = {
     # consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its backward
     # takes every head dim of its forward, dense and variable-length calls (causal, window,
     # softcap, ALiBi, GQA; deterministic too) with at least SHORT_Q_ROWS query rows per KV
-    # head; other gradients of its forward run fa2's backward. Dropout is not implemented, nor pages that
-    # are not a multiple of 8 rows: such calls run fa2 (visibly).
+    # head; other gradients of its forward run fa2's backward. Dropout is not implemented, nor
+    # pages that are not a multiple of 8 rows: such calls run fa2 (visibly).
     "fa3": Family(
         name="fa3",
         min_arch=90,

@@ -115,9 +115,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     h // (nheads // nheads_k)). The causal mask aligns to the bottom-right corner. softmax_scale
     defaults to 1 / sqrt(headdim). ``backend`` ('fa1' | 'fa2' | 'fa3' | 'auto' | None) forces a
     kernel family for this call; None defers to FLASH_ATTN_BACKEND, then the automatic choice
-    (sm90: fa3, except with dropout). fa3's gradient runs fa3's backward at head dims up to
-    128 (window, softcap, ALiBi, deterministic=True too) with at least 1024 query rows per KV
-    head (seqlen_q * nheads / nheads_k), and fa2's backward elsewhere.
+    (sm90: fa3, except with dropout). fa3's gradient runs fa3's backward at every head dim
+    (window, softcap, ALiBi, deterministic=True too) with at least 1024 query rows per KV head
+    (seqlen_q * nheads / nheads_k), and fa2's backward below that.
 
     window_size=(left, right): local attention, query i sees keys [i + seqlen_k - seqlen_q -
     left, i + seqlen_k - seqlen_q + right] (-1: unbounded). softcap > 0: scores become
@@ -173,8 +173,8 @@ def select_backend(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, ali
     """The family ``flash_attn_func`` would run the forward of these arguments with ('fa1' /
     'fa2' / 'fa3'), raising the error the call would raise. Counts a backward pass as needed
     when a tensor requires grad, as the call does; that backward runs the same family's
-    kernels, except after fa3 where its backward does not take the call (head dims above
-    128, fewer than 1024 query rows per KV head): fa2's backward."""
+    kernels, except after fa3 where its backward does not take the call (fewer than 1024
+    query rows per KV head): fa2's backward."""
     call = _validate.validate_call(q, k, v, dropout_p=dropout_p, causal=causal,
                                    window_size=window_size, softcap=softcap,
                                    alibi_slopes=alibi_slopes)
