@@ -196,7 +196,8 @@ struct BwdMainloop {
 
   // Column block `part` of a step's dQ tile into a staging buffer, in the accumulator's order
   // (Tr::dq_slot), which the global accumulator keeps (the conversion, fa3_bwd_prep.cuh,
-  // undoes it): one bulk add of the whole tile, by the dQ writer.
+  // undoes it): one bulk add of the whole tile, by the dQ writer. The caller fences the
+  // stores for the writer's bulk read (fence_view_async_shared) once, after all its parts.
   template <class Acc>
   static __device__ __forceinline__ void stage_dq(float* buffer, const Acc& acc_dq, int part) {
     static_assert(decltype(size(acc_dq))::value == 4 * Tr::kdQPartVecs);
