@@ -11,6 +11,7 @@
 #include "common/params.h"
 #include "common/query_tiles.h"
 #include "common/seqinfo.h"
+#include "fa3/fa3_bwd_items.h"
 #include "fa3/fa3_bwd_prep.cuh"
 #include "fa3/fa3_bwd_traits.h"
 #include "fa3/fa3_utils.h"
@@ -63,36 +64,47 @@ template <class Tr>
 struct BwdEpilogue {
   static constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
 
-  // The dQ writer (the producer warpgroup's second warp): the steps' tiles from buffers 0, 1,
-  // 0, ... (or 0 alone). Buffer b is free for the consumers' step i once the add of step
-  // i - kdQBuffers has read it (all free at the start); no arrive is left without its sync.
-  template <class Steps>
+  // The dQ writer (the producer warpgroup's second warp): the steps' tiles of the CTA's items
+  // (BwdItems) from buffers 0, 1, 0, ... (or 0 alone). Buffer b is free for the consumers'
+  // step i once the add of step i - kdQBuffers has read it (all free at the start); the
+  // arrives past the last step are the consumers' to match (bwd_kernel).
+  template <bool kPersistent>
   static __device__ __forceinline__ void write_dq(const BwdParams& p, const BwdScratch& s,
-                                                  typename Tr::SharedStorage& shared,
-                                                  const Steps& steps, int n_block, int head_k,
-                                                  int batch, int seqlen_q, int seqlen_k) {
+                                                  typename Tr::SharedStorage& shared) {
     const int64_t rows_q = s.rows_pad;
-    const int count = steps.count();
     const bool leader = threadIdx.x == 32;
     constexpr int kBuffers = Tr::kdQBuffers;
-    for (int b = 0; b < kBuffers && b < count; ++b) {
+    for (int b = 0; b < kBuffers; ++b) {
       cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + b);
     }
-    const int per_head = steps.m_end - steps.m_begin;
+    int b = 0;
     #pragma unroll 1
-    for (int i = 0; i < count; ++i) {
-      const int b = i % kBuffers;
-      cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + b);
-      if (leader) {
-        const int head = head_k * steps.heads_per_kv + i / per_head;
-        const int m = steps.m_begin + i % per_head;
-        const int64_t row0 = (int64_t(batch) * p.heads + head) * rows_q + m * kBlockM;
-        add_dq_tile<Tr>(p, s, n_block, seqlen_q, seqlen_k, m, row0 * kHeadDim, shared.dq(b));
-      }
-      __syncwarp();
-      if (i + kBuffers < count) {
-        cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads,
-                                            uint32_t(BwdBarrier::dQEmpty) + b);
+    for (int taken = 0;; ++taken) {
+      using Items = BwdItems<Tr, kPersistent>;
+      const int item = Items::take(shared, taken);
+      Items::release(shared);  // the writer reads nothing else of the slot or K / V
+      if (item < 0) break;
+      const BwdItem<Tr> it(p, item);
+      const flash::SeqInfo seq(p, it.batch);
+      const int seqlen_q = seq.seqlen_q(p), seqlen_k = seq.seqlen_k(p);
+      const BwdSteps<Tr> steps(p, Mask(p, seqlen_q, seqlen_k), it.n_block);
+      if (steps.count() == 0) continue;
+      // The scratch row of the group's first head, then of each next one.
+      int64_t head_row = (int64_t(it.batch) * p.heads + it.head_k * steps.heads_per_kv) * rows_q;
+      #pragma unroll 1
+      for (int hq = 0; hq < steps.heads_per_kv; ++hq, head_row += rows_q) {
+        #pragma unroll 1
+        for (int m = steps.m_begin; m < steps.m_end; ++m) {
+          cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + b);
+          if (leader) {
+            add_dq_tile<Tr>(p, s, it.n_block, seqlen_q, seqlen_k, m,
+                            (head_row + m * kBlockM) * kHeadDim, shared.dq(b));
+          }
+          __syncwarp();
+          cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads,
+                                              uint32_t(BwdBarrier::dQEmpty) + b);
+          b = kBuffers == 1 ? 0 : b ^ 1;
+        }
       }
     }
     if (leader) bulk_wait_complete();  // done before the CTA's shared memory goes
@@ -100,20 +112,27 @@ struct BwdEpilogue {
 
   // dK (times softmax_scale) and dV of a consumer's 64 keys from key0 and kKVCols columns
   // from col0, below the sequence's rows and head_dim.
-  template <class Acc>
+  template <bool kPersistent, class Acc>
   static __device__ __forceinline__ void store_dkdv(const BwdParams& p, const SeqInfo& seq,
                                                     int head_k, int key0, int col0,
                                                     const Acc& acc_dk, const Acc& acc_dv) {
+    // The thread's coordinates are the same for every item of a persistent CTA: pinned here,
+    // or the compiler computes them once before the item loop and spills them across the
+    // steps. Not in a CTA of one item: pinned there, the steps' masking at head dim 96 went
+    // from predicated instructions to 32 branches a step (step code +20%).
+    int tid = threadIdx.x % 128;
+    if constexpr (kPersistent) asm volatile("" : "+r"(tid));
     typename Tr::MmaKV mma_kv;
-    auto thr_kv = mma_kv.get_thread_slice(threadIdx.x % 128);
+    auto thr_kv = mma_kv.get_thread_slice(tid);
     Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<_64, Int<Tr::kKVCols>>{}));
     using Raw = typename Tr::Raw;
     Raw* dk = static_cast<Raw*>(p.dk) + seq.dk_offset(p, head_k);
     Raw* dv = static_cast<Raw*>(p.dv) + seq.dv_offset(p, head_k);
+    const int rows = seq.rows_k(p);  // read once: the stores may alias it for the compiler
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); i += 2) {
       const int key = key0 + get<0>(cKV(i)), c = col0 + get<1>(cKV(i));
-      if (key < seq.rows_k(p) && c < p.head_dim) {
+      if (key < rows && c < p.head_dim) {
         store2(dk + int64_t(key) * p.dk_strides.row + c, acc_dk(i) * p.softmax_scale,
                acc_dk(i + 1) * p.softmax_scale);
         store2(dv + int64_t(key) * p.dv_strides.row + c, acc_dv(i), acc_dv(i + 1));

@@ -1,7 +1,9 @@
-// The FA3 backward kernel: one CTA per (key tile, KV head, batch), three warpgroups:
-//   warpgroup 0, the producer: one thread loads the CTA's K and V once, then each step's Q and
-//     dO tiles (TMA) with their rows' lse and D (bulk copies) into pipelines; its second warp,
-//     the dQ writer, adds each step's staged dQ tile to the accumulator;
+// The FA3 backward kernel: a CTA an SM taking items (key tile, KV head, batch) in turn
+// (fa3_bwd_items.h; in deterministic mode a CTA an item), three warpgroups:
+//   warpgroup 0, the producer: one thread claims each item and loads its K and V once, then
+//     each step's Q and dO tiles (TMA) with their rows' lse and D (bulk copies) into
+//     pipelines that run on from item to item; its second warp, the dQ writer, adds each
+//     step's staged dQ tile to the accumulator;
 //   warpgroups 1-2, the consumers, per step (kBlockM query rows of one head); at head dims up
 //   to 128, 64 keys each:
 //     S^T = K Q^T, dP^T = V dO^T           SS WGMMA
@@ -41,6 +43,7 @@
 #include "common/params.h"
 #include "common/seqinfo.h"
 #include "fa3/fa3_bwd_epilogue.h"
+#include "fa3/fa3_bwd_items.h"
 #include "fa3/fa3_bwd_mainloop.h"
 #include "fa3/fa3_bwd_prep.cuh"
 #include "fa3/fa3_bwd_traits.h"
@@ -60,8 +63,9 @@ __device__ __forceinline__ typename Pipeline::Params bwd_pipe_params(int wg) {
 }
 
 // kScoreMod: softcap or ALiBi may be on (BwdMainloop::softmax_grad); kVRegs: the narrow
-// tile's dP^T reads V from registers (BwdTraits::kVRegs).
-template <class Tr, class Tma, bool kScoreMod, bool kVRegs>
+// tile's dP^T reads V from registers (BwdTraits::kVRegs); kPersistent: a CTA an SM taking
+// items in turn (fa3_plan.h: bwd_persistent), else a CTA an item.
+template <class Tr, class Tma, bool kScoreMod, bool kVRegs, bool kPersistent>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ Tma tma,
                const BwdScratch s) {
@@ -71,38 +75,52 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   constexpr int kBlockN = Tr::kBlockN, kKVCols = Tr::kKVCols;
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Tr::SharedStorage*>(smem_raw);
+  using Items = BwdItems<Tr, kPersistent>;
   const int wg = cutlass::canonical_warp_group_idx();
-  // A 1-D grid (batch x heads_k may pass 65535, a grid's y / z limit), key tiles fastest:
-  // neighbouring CTAs read the same Q and dO.
-  const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
-  const int n_block = p.deterministic ? n_blocks - 1 - int(blockIdx.x % n_blocks)
-                                      : int(blockIdx.x % n_blocks);
-  const int head_k = int(blockIdx.x / n_blocks % p.heads_k);
-  const int batch = int(blockIdx.x / n_blocks / p.heads_k);
-  const flash::SeqInfo seq(p, batch);
-  const int seqlen_q = seq.seqlen_q(p), seqlen_k = seq.seqlen_k(p);
-  const Mask mask(p, seqlen_q, seqlen_k);
-  const BwdSteps<Tr> steps(p, mask, n_block);
 
   PipelineQ pipe_q(shared.pipe_q, bwd_pipe_params<Tr, PipelineQ>(wg), Shape<_1, _1, _1>{});
   PipelinedO pipe_do(shared.pipe_do, bwd_pipe_params<Tr, PipelinedO>(wg), Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full, 1);
+    cutlass::arch::ClusterBarrier::init(&shared.kv_empty, 256 + 32);  // consumers, dQ writer
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (steps.count() == 0) return;
     if (threadIdx.x / 32 == 1) {
-      BwdEpilogue<Tr>::write_dq(p, s, shared, steps, n_block, head_k, batch, seqlen_q,
-                                seqlen_k);
+      BwdEpilogue<Tr>::template write_dq<kPersistent>(p, s, shared);
       return;
     }
     if (threadIdx.x != 0) return;
-    BwdMainloop<Tr>::load(p, tma, s, shared, pipe_q, pipe_do, seq, steps, n_block, head_k,
-                          batch);
+    auto state_q = cutlass::make_producer_start_state<PipelineQ>();
+    auto state_do = cutlass::make_producer_start_state<PipelinedO>();
+    int item = int(blockIdx.x);
+    #pragma unroll 1
+    for (int published = 0;; ++published) {
+      Items::publish(shared, published, item < s.items ? item : -1);
+      if (item >= s.items) {  // persistent only: a CTA an item has blockIdx.x < items
+        cutlass::arch::ClusterBarrier::arrive(&shared.kv_full);
+        break;
+      }
+      const BwdItem<Tr> it(p, item);
+      const flash::SeqInfo seq(p, it.batch);
+      const BwdSteps<Tr> steps(p, Mask(p, seq.seqlen_q(p), seq.seqlen_k(p)), it.n_block);
+      if (steps.count() == 0) {
+        cutlass::arch::ClusterBarrier::arrive(&shared.kv_full);  // dK = dV = 0, no loads
+      } else {
+        BwdMainloop<Tr>::load(p, tma, s, shared, pipe_q, pipe_do, state_q, state_do, seq,
+                              steps, it.n_block, it.head_k, it.batch);
+      }
+      // A CTA of one item publishes no end: an arrive now would land in the item's own
+      // phase of kv_full, before its bytes.
+      if constexpr (!kPersistent) break;
+      // Claimed only once this item's loads are issued, about two steps before the
+      // consumers finish it: claimed earlier, a long item would hold back its successor from
+      // CTAs that free up meanwhile.
+      item = Items::next(s);
+    }
     return;
   }
 
@@ -111,18 +129,41 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   typename Tr::MmaKV mma_kv;
   Tensor acc_dk = partition_fragment_C(mma_kv, Shape<_64, Int<kKVCols>>{});
   Tensor acc_dv = partition_fragment_C(mma_kv, Shape<_64, Int<kKVCols>>{});
-  clear(acc_dk);
-  clear(acc_dv);
-  if constexpr (Tr::kWide) {  // all keys of the tile, head-dim half cw
-    BwdWideConsumer<Tr>::template mma<kScoreMod>(p, shared, pipe_q, pipe_do, seq, mask, steps,
-                                                 n_block, head_k, cw, acc_dk, acc_dv);
-    BwdEpilogue<Tr>::store_dkdv(p, seq, head_k, n_block * kBlockN, kKVCols * cw, acc_dk,
-                                acc_dv);
-  } else {  // keys [64 cw, 64 cw + 64) of the tile, all the head dim
-    BwdMainloop<Tr>::template mma<kScoreMod, kVRegs>(p, shared, pipe_q, pipe_do, seq, mask,
-                                                     steps, n_block, head_k, cw, acc_dk, acc_dv);
-    BwdEpilogue<Tr>::store_dkdv(p, seq, head_k, n_block * kBlockN + 64 * cw, 0, acc_dk,
-                                acc_dv);
+  cutlass::PipelineState<Tr::kStagesQ> state_q;
+  cutlass::PipelineState<Tr::kStagesdO> state_do;
+  int buf = 0;  // the narrow tile's dQ staging buffer of the next step
+  #pragma unroll 1
+  for (int taken = 0;; ++taken) {
+    const int item = Items::take(shared, taken);
+    if (item < 0) break;
+    const BwdItem<Tr> it(p, item);
+    const flash::SeqInfo seq(p, it.batch);
+    const Mask mask(p, seq.seqlen_q(p), seq.seqlen_k(p));
+    const BwdSteps<Tr> steps(p, mask, it.n_block);
+    clear(acc_dk);
+    clear(acc_dv);
+    if constexpr (Tr::kWide) {  // all keys of the tile, head-dim half cw
+      BwdWideConsumer<Tr>::template mma<kScoreMod>(p, shared, pipe_q, pipe_do, state_q,
+                                                   state_do, taken & 1, seq, mask, steps,
+                                                   it.n_block, it.head_k, cw, acc_dk, acc_dv);
+    } else {  // keys [64 cw, 64 cw + 64) of the tile, all the head dim
+      BwdMainloop<Tr>::template mma<kScoreMod, kVRegs>(p, shared, pipe_q, pipe_do, state_q,
+                                                       buf, taken & 1, seq, mask, steps,
+                                                       it.n_block, it.head_k, cw, acc_dk,
+                                                       acc_dv);
+    }
+    // The item again for the stores: kept through the steps, its coordinates spilled.
+    const BwdItem<Tr> done(p, Items::current(shared, item));
+    const flash::SeqInfo done_seq(p, done.batch);
+    Items::release(shared);  // K and V read: the next item's may come in
+    const int key0 = done.n_block * kBlockN + (Tr::kWide ? 0 : 64 * cw);
+    const int col0 = Tr::kWide ? kKVCols * cw : 0;
+    BwdEpilogue<Tr>::template store_dkdv<kPersistent>(p, done_seq, done.head_k, key0, col0,
+                                                      acc_dk, acc_dv);
+  }
+  // The dQ writer's arrives for the steps after the CTA's last (BwdEpilogue::write_dq).
+  for (int b = 0; b < Tr::kdQBuffers; ++b) {
+    cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + b);
   }
 #endif
 }

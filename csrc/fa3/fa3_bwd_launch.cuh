@@ -34,7 +34,9 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
   s.dq = static_cast<float*>(p.workspace);
   s.dq_copies = plan.dq_copies;
   s.dq_copy_stride = rows * kernel_hdim;
-  s.lse2 = s.dq + s.dq_copy_stride * s.dq_copies;
+  s.next_item = reinterpret_cast<unsigned*>(s.dq + s.dq_copy_stride * s.dq_copies);
+  s.items = plan.items;
+  s.lse2 = s.dq + s.dq_copy_stride * s.dq_copies + 4;  // 16 bytes for next_item
   s.dsum = s.lse2 + rows;
   s.dq_turns = p.deterministic ? reinterpret_cast<int*>(s.dsum + rows) : nullptr;
   return s;
@@ -44,6 +46,9 @@ template <typename T, int kHeadDim>
 void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   using Tr = BwdTraits<T, kHeadDim>;
   using Element = typename Tr::Element;
+  if (const char* error = plan_error(plan)) {
+    throw std::runtime_error(std::string("flash_attn: fa3 backward: ") + error);
+  }
   if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
       reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) {
     // 16-byte alignment: the dQ accumulator takes bulk reduce-adds.
@@ -52,9 +57,11 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   }
   const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
-  // The accumulators and the turn counters (contiguous): a memset writes at the memory's
-  // rate, which the preprocess's stores, interleaved with its loads, did not reach.
-  FLASH_CHECK_CUDA(cudaMemsetAsync(s.dq, 0, size_t(s.dq_copy_stride) * s.dq_copies * 4, stream));
+  // The accumulators and the item counter (contiguous), and the turn counters: a memset
+  // writes at the memory's rate, which the preprocess's stores, interleaved with its loads,
+  // did not reach.
+  FLASH_CHECK_CUDA(
+      cudaMemsetAsync(s.dq, 0, size_t(s.dq_copy_stride) * s.dq_copies * 4 + 16, stream));
   if (s.dq_turns != nullptr) {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
         s.dq_turns, 0, size_t(rows / kBwdRowPad) * s.dq_copies * sizeof(int), stream));
@@ -90,14 +97,24 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   // V in registers for the default mode only: the deterministic one ran 2-10% slower with it
   // (H200, head dims 64 / 96), the default 2-4% faster.
   constexpr bool kV = Tr::kVRegs;
+  // Persistent where the plan says so, which is in default mode only: the V-in-registers
+  // kernels (bwd_persistent is off at head dims without them).
+  constexpr bool kP = bwd_persistent(kHeadDim);
+  static_assert(!kP || kV);
   const bool mod = p.softcap > 0.f || p.alibi_slopes != nullptr, regs = kV && !p.deterministic;
-  auto kernel = mod ? (regs ? bwd_kernel<Tr, Tma, true, kV> : bwd_kernel<Tr, Tma, true, false>)
-                    : (regs ? bwd_kernel<Tr, Tma, false, kV> : bwd_kernel<Tr, Tma, false, false>);
+  if (plan.persistent != (kP && regs)) {
+    throw std::runtime_error("flash_attn: fa3 backward: the plan is not this head dim's");
+  }
+  auto kernel = mod ? (regs ? bwd_kernel<Tr, Tma, true, kV, kP>
+                            : bwd_kernel<Tr, Tma, true, false, false>)
+                    : (regs ? bwd_kernel<Tr, Tma, false, kV, kP>
+                            : bwd_kernel<Tr, Tma, false, false, false>);
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
-  const int64_t ctas = (int64_t(p.seqlen_k) + Tr::kBlockN - 1) / Tr::kBlockN * p.heads_k * p.batch;
-  kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, s);
-  FLASH_CHECK_LAUNCH();
+  if (plan.ctas > 0) {
+    kernel<<<unsigned(plan.ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, s);
+    FLASH_CHECK_LAUNCH();
+  }
   const int64_t tiles = rows / Tr::kBlockM;
   const unsigned convert_blocks =
       unsigned(std::min<int64_t>(tiles, int64_t(std::max(p.num_sms, 1)) * 16));

@@ -16,6 +16,7 @@
 #include "common/query_tiles.h"
 #include "common/score_mod.h"
 #include "common/seqinfo.h"
+#include "fa3/fa3_bwd_items.h"
 #include "fa3/fa3_bwd_prep.cuh"
 #include "fa3/fa3_bwd_score.h"
 #include "fa3/fa3_bwd_traits.h"
@@ -35,20 +36,6 @@ __device__ __forceinline__ void zero_tail_rows(Tensor&& t, int from, int tid) {
   }
 }
 
-// The query tiles [begin, end) that may see a key of key tile n_block (common/query_tiles.h);
-// none for a tile past the sequence's keys.
-template <class Tr>
-struct BwdSteps {
-  int m_begin, m_end, heads_per_kv;
-  __device__ BwdSteps(const BwdParams& p, const Mask& mask, int n_block) {
-    const QueryTiles t = query_tiles<Tr::kBlockM, Tr::kBlockN>(mask, n_block);
-    m_begin = t.begin;
-    m_end = n_block * Tr::kBlockN < mask.seqlen_k ? t.end : 0;
-    heads_per_kv = p.heads / p.heads_k;
-  }
-  __device__ int count() const { return m_end > m_begin ? heads_per_kv * (m_end - m_begin) : 0; }
-};
-
 template <class Tr>
 struct BwdMainloop {
   using Element = typename Tr::Element;
@@ -56,12 +43,15 @@ struct BwdMainloop {
   using PipelinedO = typename Tr::PipelinedO;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
 
-  // The producer thread: K and V of key tile n_block once, then the steps' tiles.
-  template <class Tma>
+  // The producer thread, for one item with steps: K and V of key tile n_block (completing
+  // kv_full's phase), then the steps' tiles, the pipelines' states going on from the CTA's
+  // previous item.
+  template <class Tma, class StateQ, class StatedO>
   static __device__ __forceinline__ void load(const BwdParams& p, const Tma& tma,
                                               const BwdScratch& s,
                                               typename Tr::SharedStorage& shared,
                                               PipelineQ& pipe_q, PipelinedO& pipe_do,
+                                              StateQ& state_q, StatedO& state_do,
                                               const SeqInfo& seq, const BwdSteps<Tr>& steps,
                                               int n_block, int head_k, int batch) {
     const typename Tr::Tiles t(shared);
@@ -87,8 +77,6 @@ struct BwdMainloop {
                                                                    2 * Tr::kTmaBytesKV);
     copy(tma.k.with(shared.kv_full), tKg, tKs);
     copy(tma.v.with(shared.kv_full), tVg, tVs);
-    auto state_q = cutlass::make_producer_start_state<PipelineQ>();
-    auto state_do = cutlass::make_producer_start_state<PipelinedO>();
     #pragma unroll 1
     for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
       const int head = head_k * steps.heads_per_kv + hq;
@@ -161,13 +149,13 @@ struct BwdMainloop {
     }
   }
 
-  // The consumers' wait for the CTA's K and V. Dense tiles read zeros past the sequence (TMA
-  // fills rows out of bounds); variable-length ones read other rows, which the consumers zero
-  // in shared memory.
+  // The consumers' wait for the item's K and V (phase: the CTA's items before it). Dense
+  // tiles read zeros past the sequence (TMA fills rows out of bounds); variable-length ones
+  // read other rows, which the consumers zero in shared memory.
   static __device__ __forceinline__ void wait_kv(typename Tr::SharedStorage& shared,
-                                                 const typename Tr::Tiles& t, bool varlen,
-                                                 int n_block, int seqlen_k) {
-    cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, 0);
+                                                 const typename Tr::Tiles& t, int phase,
+                                                 bool varlen, int n_block, int seqlen_k) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, phase);
     if (varlen && (n_block + 1) * kBlockN > seqlen_k) {
       const int tid = threadIdx.x - 128;
       zero_tail_rows(t.k, seqlen_k - n_block * kBlockN, tid);
@@ -209,15 +197,20 @@ struct BwdMainloop {
     }
   }
 
-  // Consumer cw (keys [64 cw, 64 cw + 64) of the tile): the steps (if any), summing dK and dV
-  // into acc_dk / acc_dv and handing each step's dQ tile to the dQ writer. kVRegs: dP^T's V
-  // from registers (Tr::kVRegs).
-  template <bool kScoreMod, bool kVRegs, class Acc>
+  // Consumer cw (keys [64 cw, 64 cw + 64) of the tile): the steps (if any), summing dK and
+  // dV into acc_dk / acc_dv and handing each step's dQ tile to the dQ writer in staging
+  // buffer buf, 1 - buf, ... The pipelines' state and buf go on from the CTA's previous item;
+  // kv_phase: kv_full's phase of this item. kVRegs: dP^T's V from registers (Tr::kVRegs).
+  // The wait for K and V comes after the steps' setup: waited for before it (when the item
+  // is taken), the setup's descriptors left uniform registers and spilled in the steps.
+  template <bool kScoreMod, bool kVRegs, class State, class Acc>
   static __device__ __forceinline__ void mma(const BwdParams& p, typename Tr::SharedStorage& shared,
                                              PipelineQ& pipe_q, PipelinedO& pipe_do,
-                                             const SeqInfo& seq, const Mask& mask,
-                                             const BwdSteps<Tr>& steps, int n_block, int head_k,
-                                             int cw, Acc& acc_dk, Acc& acc_dv) {
+                                             State& state, int& buf, int kv_phase,
+                                             const SeqInfo& seq,
+                                             const Mask& mask, const BwdSteps<Tr>& steps,
+                                             int n_block, int head_k, int cw, Acc& acc_dk,
+                                             Acc& acc_dv) {
     const int seqlen_q = mask.seqlen_q, seqlen_k = mask.seqlen_k;
     const typename Tr::Tiles t(shared);
     const int wg_tid = threadIdx.x % 128;
@@ -255,15 +248,13 @@ struct BwdMainloop {
     const bool varlen = p.cu_seqlens_q != nullptr;
 
     if (steps.count() == 0) return;  // dK = dV = 0
-    wait_kv(shared, t, varlen, n_block, seqlen_k);
+    wait_kv(shared, t, kv_phase, varlen, n_block, seqlen_k);
     if constexpr (kVRegs) {  // V into registers, once
       auto s2r = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_dp);
       auto s2r_thr = s2r.get_thread_slice(wg_tid);
       copy(s2r, s2r_thr.partition_S(sV_wg), s2r_thr.retile_D(tdPrV));
     }
     static_assert(Tr::kStagesQ == Tr::kStagesdO);  // one state for both pipelines
-    cutlass::PipelineState<Tr::kStagesQ> state;
-    int buf = 0;  // the dQ staging buffer of this step
     #pragma unroll 1
     for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
       const int head = head_k * steps.heads_per_kv + hq;

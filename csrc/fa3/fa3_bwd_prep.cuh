@@ -5,6 +5,8 @@
 //   dq     the dQ accumulator (fp32, unscaled), zeroed by a memset, added to by every key
 //          tile; dq_copies of them in some deterministic calls, summed in order at the
 //          conversion
+//   next_item  the main kernel's item counter (fa3_bwd_kernel.cuh), zeroed with the dq
+//          accumulators
 //   dq_turns  deterministic mode only: a counter per 64-row tile and copy (fa3_bwd_kernel.cuh),
 //          zeroed by a memset
 // and the conversion of the accumulator into dq (times softmax_scale, in the output dtype).
@@ -38,6 +40,8 @@ struct BwdScratch {
   int dq_copies;
   int* dq_turns;     // nullptr unless deterministic
   int64_t rows_pad;  // per (batch, head)
+  unsigned* next_item;  // the items CTAs have taken past their first, gridDim.x
+  int items;            // (key tile, KV head, batch): BwdPlan's
 };
 
 template <typename T>

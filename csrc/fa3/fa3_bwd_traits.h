@@ -130,7 +130,11 @@ struct BwdTraits {
     alignas(16) float dsum[kStagesdO][kBlockM];  // D = rowsum(dO o O), with dO's stage
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelinedO::SharedStorage pipe_do;
-    alignas(8) uint64_t kv_full;  // K and V of the CTA's keys
+    // The CTA's current item (fa3_bwd_kernel.cuh), published with its K and V (kv_full) and
+    // released, with them, by the consumers and the dQ writer (kv_empty).
+    alignas(8) uint64_t kv_full;
+    alignas(8) uint64_t kv_empty;
+    int item;
 
     __device__ Element* ds() { return reinterpret_cast<Element*>(scratch); }
     // The wide tile's only: in the narrow one this is dQ staging buffer 0.

@@ -32,11 +32,14 @@ struct BwdWideConsumer {
   static_assert(Tr::kWide && kBlockN == 64 && Tr::kdQBuffers == 1);
 
   // Consumer cw: the steps (if any), summing dK and dV of its head-dim half into acc_dk /
-  // acc_dv and handing each step's dQ tile to the dQ writer.
-  template <bool kScoreMod, class Acc>
+  // acc_dv and handing each step's dQ tile to the dQ writer. The pipelines' states go on from
+  // the CTA's previous item; kv_phase: kv_full's phase of this item.
+  template <bool kScoreMod, class StateQ, class StatedO, class Acc>
   static __device__ __forceinline__ void mma(const BwdParams& p, typename Tr::SharedStorage& shared,
                                              typename Tr::PipelineQ& pipe_q,
-                                             typename Tr::PipelinedO& pipe_do, const SeqInfo& seq,
+                                             typename Tr::PipelinedO& pipe_do, StateQ& state_q,
+                                             StatedO& state_do, int kv_phase,
+                                             const SeqInfo& seq,
                                              const Mask& mask, const BwdSteps<Tr>& steps,
                                              int n_block, int head_k, int cw, Acc& acc_dk,
                                              Acc& acc_dv) {
@@ -87,9 +90,7 @@ struct BwdWideConsumer {
     const bool varlen = p.cu_seqlens_q != nullptr;
 
     if (steps.count() == 0) return;  // dK = dV = 0
-    Mainloop::wait_kv(shared, t, varlen, n_block, mask.seqlen_k);
-    cutlass::PipelineState<Tr::kStagesQ> state_q;
-    cutlass::PipelineState<Tr::kStagesdO> state_do;
+    Mainloop::wait_kv(shared, t, kv_phase, varlen, n_block, mask.seqlen_k);
     #pragma unroll 1
     for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
       const int head = head_k * steps.heads_per_kv + hq;

@@ -247,11 +247,14 @@ inline const char* plan_error(const FwdPlan& plan) {
 
 // ---- the backward ---------------------------------------------------------------------------
 
-// The backward's plan: its workspace (fa3_bwd_launch.cuh lays it out) and, in deterministic
-// mode, how many dQ accumulators.
+// The backward's plan: its grid, its workspace (fa3_bwd_launch.cuh lays it out) and, in
+// deterministic mode, how many dQ accumulators.
 struct BwdPlan {
-  int64_t workspace_bytes = 0;  // dQ accumulators (fp32), lse in base 2, D, dQ turns
+  int64_t workspace_bytes = 0;  // dQ accumulators (fp32), item counter, lse in base 2, D, turns
   int dq_copies = 1;            // dQ accumulators (deterministic mode, fa3_bwd_kernel.cuh)
+  int items = 0;                // (key tile, KV head, batch)
+  int ctas = 0;                 // the grid
+  bool persistent = false;      // ctas take the items in turn from a counter (bwd_persistent)
 };
 
 // The backward's keys a CTA (BwdTraits::kBlockN): 64 where dK / dV of 128 keys would not fit
@@ -260,6 +263,13 @@ constexpr int bwd_block_n(int kernel_hdim) { return kernel_hdim > 128 ? 64 : 128
 // Its query rows a step (BwdTraits::kBlockM), to which each (batch, head)'s scratch rows are
 // padded (fa3_bwd_prep.cuh).
 constexpr int kBwdRowPad = 64;
+
+// Head dims whose default-mode backward keeps a CTA an SM taking (key tile, KV head, batch)
+// items in turn (fa3_bwd_kernel.cuh), not a CTA an item: 64 (+6..10%, H200, 1k-16k). At 128
+// the item loop cost the steps 5-7% (its registers) for what the overlap at the items'
+// boundaries gains. Deterministic calls keep a CTA an item: their turns rely on CTAs
+// starting in item order.
+constexpr bool bwd_persistent(int kernel_hdim) { return kernel_hdim == 64; }
 
 // Deterministic calls whose key tiles all walk the same query tiles (no right bound on the
 // keys a row sees) add into this many dQ accumulators, summed in order at the conversion: the
@@ -275,8 +285,22 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {})
     plan.dq_copies = int(std::clamp<int64_t>(key_tiles, 1, kBwdDqCopies));
   }
   const int64_t turns = p.deterministic ? plan.dq_copies * rows / kBwdRowPad : 0;
-  plan.workspace_bytes = rows * (kernel_hdim * plan.dq_copies + 2) * 4 + turns * 4;
+  // 16 bytes for the item counter, so that lse and D stay 16-byte aligned for bulk copies.
+  plan.workspace_bytes = rows * (kernel_hdim * plan.dq_copies + 2) * 4 + 16 + turns * 4;
+  const int64_t items = key_tiles * p.heads_k * p.batch;
+  plan.items = int(std::min<int64_t>(items, INT_MAX));  // plan_error: past INT_MAX
+  // Persistent: the next item's K / V and first Q load under this one's last steps and
+  // dK / dV stores.
+  plan.persistent = !p.deterministic && bwd_persistent(kernel_hdim);
+  plan.ctas = plan.persistent ? std::min(plan.items, std::max(p.num_sms, 1)) : plan.items;
   return plan;
+}
+
+// Why this plan cannot run (the kernel's 32-bit item indices), nullptr if it can.
+inline const char* plan_error(const BwdPlan& plan) {
+  return int64_t(plan.items) + plan.ctas >= INT_MAX
+             ? "2^31 - 1 or more (key tile, KV head, batch) work items"
+             : nullptr;
 }
 
 }  // namespace flash::fa3

@@ -142,9 +142,10 @@ int main() {
   }
   CHECK(!fwd_tiles(80).wide.exists());
 
-  // The backward: dQ accumulator (fp32, rows padded to 64 per head), lse, D; deterministic
-  // calls add one turn counter per 64 rows, and those without a right bound on the keys (full,
-  // a left window) four accumulators, or one per key tile below that.
+  // The backward: dQ accumulator (fp32, rows padded to 64 per head), the item counter (16
+  // bytes), lse, D; deterministic calls add one turn counter per 64 rows, and those without a
+  // right bound on the keys (full, a left window) four accumulators, or one per key tile below
+  // that. A CTA an SM takes the (key tile, KV head, batch) items; deterministic, a CTA an item.
   {
     auto bwd = [](FwdParams f, bool deterministic) {
       BwdParams p;
@@ -154,12 +155,25 @@ int main() {
     };
     const int64_t rows = 2 * 6 * 1024;  // batch 2, 6 heads, 1000 rows padded to 1024
     const BwdPlan plain = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128);
-    CHECK(plain.dq_copies == 1 && plain.workspace_bytes == rows * (128 + 2) * 4);
+    CHECK(plain.dq_copies == 1 && plain.workspace_bytes == rows * (128 + 2) * 4 + 16);
+    CHECK(plain.items == 12 * 2 * 2 && plain.ctas == plain.items);  // 1500 keys: 12 tiles
+    CHECK(!plain.persistent);
+    const BwdPlan many = plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 64);
+    CHECK(many.items == 8 * 16 * 16 && many.persistent && many.ctas == 132);
+    CHECK(!plan_error(many));
+    const BwdPlan few = plan_bwd(bwd(call(1, 1024, 1024, 4, 4), false), 64);
+    CHECK(few.persistent && few.ctas == few.items && few.items == 32);
+    CHECK(!plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128).persistent);
     const BwdPlan full = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 128);
     CHECK(full.dq_copies == 4);
-    CHECK(full.workspace_bytes == rows * (4 * 128 + 2) * 4 + 4 * rows / 64 * 4);
+    CHECK(full.workspace_bytes == rows * (4 * 128 + 2) * 4 + 16 + 4 * rows / 64 * 4);
+    const BwdPlan ordered = plan_bwd(bwd(call(16, 1024, 1024, 16, 16), true), 64);
+    CHECK(!ordered.persistent && ordered.ctas == many.items);
     const BwdPlan masked = plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), true), 64);
-    CHECK(masked.dq_copies == 1 && masked.workspace_bytes == rows * (64 + 2) * 4 + rows / 64 * 4);
+    CHECK(masked.dq_copies == 1 &&
+          masked.workspace_bytes == rows * (64 + 2) * 4 + 16 + rows / 64 * 4);
+    // 2^31 items or more: refused (the kernel's item indices are 32-bit).
+    CHECK(plan_error(plan_bwd(bwd(call(1 << 16, 64, 1 << 16, 256, 256), false), 128)));
     FwdParams left = call(2, 1000, 1500, 6, 2);
     left.window_left = 200;
     CHECK(plan_bwd(bwd(left, true), 128).dq_copies == 4);

@@ -1,0 +1,95 @@
+// The FA3 backward's work items (fa3_bwd_kernel.cuh). Item i is (key tile, KV head, batch),
+// key tiles fastest (neighbouring items read the same Q and dO); in deterministic mode a
+// head's last key tile comes first (the turns' order). A CTA takes items until none is left:
+// its producer thread claims each and publishes it with the item's K and V (kv_full), and
+// the consumers and the dQ writer take it there and release the slot, and K and V with it
+// (kv_empty). An item walks the query tiles of BwdSteps.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+#include "common/mask.h"
+#include "common/params.h"
+#include "common/query_tiles.h"
+#include "fa3/fa3_bwd_prep.cuh"
+#include "fa3/fa3_utils.h"
+
+namespace flash::fa3 {
+
+template <class Tr>
+struct BwdItem {
+  int n_block, head_k, batch;
+  __device__ BwdItem(const BwdParams& p, int item) {
+    const int n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
+    const int n = item % n_blocks, rest = item / n_blocks;
+    n_block = p.deterministic ? n_blocks - 1 - n : n;
+    head_k = rest % p.heads_k;
+    batch = rest / p.heads_k;
+  }
+};
+
+// The query tiles [begin, end) that may see a key of key tile n_block (common/query_tiles.h);
+// none for a tile past the sequence's keys.
+template <class Tr>
+struct BwdSteps {
+  int m_begin, m_end, heads_per_kv;
+  __device__ BwdSteps(const BwdParams& p, const Mask& mask, int n_block) {
+    const QueryTiles t = query_tiles<Tr::kBlockM, Tr::kBlockN>(mask, n_block);
+    m_begin = t.begin;
+    m_end = n_block * Tr::kBlockN < mask.seqlen_k ? t.end : 0;
+    heads_per_kv = p.heads / p.heads_k;
+  }
+  __device__ int count() const { return m_end > m_begin ? heads_per_kv * (m_end - m_begin) : 0; }
+};
+
+// The handoff. Items are 32-bit (fa3_plan.h: plan_error). kPersistent: a CTA takes items
+// until none is left (bwd_persistent); otherwise it runs item blockIdx.x alone and nothing is
+// published.
+template <class Tr, bool kPersistent>
+struct BwdItems {
+  using Shared = typename Tr::SharedStorage;
+  // The persistent producer's item after its first (blockIdx.x); s.items: none left.
+  static __device__ __forceinline__ int next(const BwdScratch& s) {
+    if (int(gridDim.x) >= s.items) return s.items;
+    return int(atomicAdd(s.next_item, 1u)) + int(gridDim.x);
+  }
+  // The producer's published-th item (-1: none left) into the slot, once every taker has
+  // released the one before; the caller then completes kv_full's phase (K and V's bytes, or
+  // an arrive).
+  static __device__ __forceinline__ void publish(Shared& shared, int published, int item) {
+    if constexpr (kPersistent) {
+      if (published > 0) {
+        cutlass::arch::ClusterBarrier::wait(&shared.kv_empty, (published - 1) & 1);
+      }
+      compiler_fence();  // the wait (asm without a memory clobber) before the write
+      shared.item = item;
+    }
+  }
+  // The taken-th item (-1: none left), once its K and V have landed. The shuffle tells the
+  // compiler that the item is the same in every lane: without it the item loop's branches
+  // count as divergent, and the steps' shared-memory descriptors, kept in uniform registers
+  // when provably uniform, went to 30 more vector registers and spilled.
+  // A CTA of one item waits for its K and V where it first reads them (BwdMainloop::wait_kv).
+  static __device__ __forceinline__ int take(Shared& shared, int taken) {
+    if constexpr (!kPersistent) return taken == 0 ? int(blockIdx.x) : -1;
+    cutlass::arch::ClusterBarrier::wait(&shared.kv_full, taken & 1);
+    compiler_fence();
+    return __shfl_sync(0xffffffffu, shared.item, 0);
+  }
+  // The item taken last, read again (in a persistent CTA: not kept in registers through its
+  // steps, where its coordinates were spilled).
+  static __device__ __forceinline__ int current(Shared& shared, int item) {
+    if constexpr (!kPersistent) return item;
+    compiler_fence();
+    return __shfl_sync(0xffffffffu, shared.item, 0);
+  }
+  // The slot read, and K and V by the consumers: the next item's may come in.
+  static __device__ __forceinline__ void release(Shared& shared) {
+    if constexpr (kPersistent) {
+      compiler_fence();
+      cutlass::arch::ClusterBarrier::arrive(&shared.kv_empty);
+    }
+  }
+};
+
+}  // namespace flash::fa3
