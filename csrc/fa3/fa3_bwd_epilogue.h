@@ -111,17 +111,14 @@ struct BwdEpilogue {
   }
 
   // dK (times softmax_scale) and dV of a consumer's 64 keys from key0 and kKVCols columns
-  // from col0, below the sequence's rows and head_dim.
-  template <bool kPersistent, class Acc>
+  // from col0, below the sequence's rows and head_dim. kPinTid: the thread index pinned
+  // (bwd_kernel says where).
+  template <bool kPinTid, class Acc>
   static __device__ __forceinline__ void store_dkdv(const BwdParams& p, const SeqInfo& seq,
                                                     int head_k, int key0, int col0,
                                                     const Acc& acc_dk, const Acc& acc_dv) {
-    // The thread's coordinates are the same for every item of a persistent CTA: pinned here,
-    // or the compiler computes them once before the item loop and spills them across the
-    // steps. Not in a CTA of one item: pinned there, the steps' masking at head dim 96 went
-    // from predicated instructions to 32 branches a step (step code +20%).
     int tid = threadIdx.x % 128;
-    if constexpr (kPersistent) asm volatile("" : "+r"(tid));
+    if constexpr (kPinTid) asm volatile("" : "+r"(tid));
     typename Tr::MmaKV mma_kv;
     auto thr_kv = mma_kv.get_thread_slice(tid);
     Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<_64, Int<Tr::kKVCols>>{}));

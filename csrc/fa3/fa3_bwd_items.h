@@ -63,6 +63,7 @@ struct BwdItems {
       }
       compiler_fence();  // the wait (asm without a memory clobber) before the write
       shared.item = item;
+      compiler_fence();  // the write before the caller's completion of kv_full (no clobber)
     }
   }
   // The taken-th item (-1: none left), once its K and V have landed. The shuffle tells the

@@ -129,6 +129,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   typename Tr::MmaKV mma_kv;
   Tensor acc_dk = partition_fragment_C(mma_kv, Shape<_64, Int<kKVCols>>{});
   Tensor acc_dv = partition_fragment_C(mma_kv, Shape<_64, Int<kKVCols>>{});
+  // The store's thread index pinned (an empty asm; ptxas's choices, measured): in a persistent
+  // CTA, or the store's coordinates are computed before the item loop and spilled across the
+  // steps; in the deterministic-only kernels (no V in registers at a head dim that has it),
+  // +4..+23% at 64, +2..+12% at 96. Not in the other kernels of one item: there the steps'
+  // masking went from predicated instructions to 32 branches a step (default mode at 96
+  // -2..-4.5%, at 128 -1.3..0%).
+  constexpr bool kPinTid = kPersistent || (Tr::kVRegs && !kVRegs);
   cutlass::PipelineState<Tr::kStagesQ> state_q;
   cutlass::PipelineState<Tr::kStagesdO> state_do;
   int buf = 0;  // the narrow tile's dQ staging buffer of the next step
@@ -158,8 +165,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     Items::release(shared);  // K and V read: the next item's may come in
     const int key0 = done.n_block * kBlockN + (Tr::kWide ? 0 : 64 * cw);
     const int col0 = Tr::kWide ? kKVCols * cw : 0;
-    BwdEpilogue<Tr>::template store_dkdv<kPersistent>(p, done_seq, done.head_k, key0, col0,
-                                                      acc_dk, acc_dv);
+    BwdEpilogue<Tr>::template store_dkdv<kPinTid>(p, done_seq, done.head_k, key0, col0,
+                                                  acc_dk, acc_dv);
   }
   // The dQ writer's arrives for the steps after the CTA's last (BwdEpilogue::write_dq).
   for (int b = 0; b < Tr::kdQBuffers; ++b) {

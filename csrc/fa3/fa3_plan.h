@@ -298,7 +298,9 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {})
 
 // Why this plan cannot run (the kernel's 32-bit item indices), nullptr if it can.
 inline const char* plan_error(const BwdPlan& plan) {
-  return int64_t(plan.items) + plan.ctas >= INT_MAX
+  // A persistent CTA's next() counts past the last item by up to its grid.
+  const int64_t last = int64_t(plan.items) + (plan.persistent ? plan.ctas : 0);
+  return last >= INT_MAX
              ? "2^31 - 1 or more (key tile, KV head, batch) work items"
              : nullptr;
 }

@@ -174,6 +174,8 @@ int main() {
           masked.workspace_bytes == rows * (64 + 2) * 4 + 16 + rows / 64 * 4);
     // 2^31 items or more: refused (the kernel's item indices are 32-bit).
     CHECK(plan_error(plan_bwd(bwd(call(1 << 16, 64, 1 << 16, 256, 256), false), 128)));
+    // 1.5 * 2^30 items, a CTA each: accepted (only a persistent grid counts past its items).
+    CHECK(!plan_error(plan_bwd(bwd(call(1 << 16, 64, 96 * 128, 256, 256), false), 128)));
     FwdParams left = call(2, 1000, 1500, 6, 2);
     left.window_left = 200;
     CHECK(plan_bwd(bwd(left, true), 128).dq_copies == 4);
