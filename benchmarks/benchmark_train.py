@@ -22,6 +22,7 @@ Writes benchmarks/results/train_<GPU>_<dtype>.{md,json}; see benchmarks/README.m
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import math
 import statistics
@@ -322,6 +323,12 @@ def main(argv=None) -> int:
         if importlib.util.find_spec("transformers") is None:
             C.log("benchmark_train: --model hf needs transformers")
             return 1
+        if not _flash_attn_distribution():
+            C.log("benchmark_train: transformers finds flash_attn by its installed distribution "
+                  "(flash-attn's metadata), which this one lacks (an in-place build?); its "
+                  "flash_attention_2 will refuse. Install the package (pip install "
+                  "--no-build-isolation .), or put a flash_attn-<version>.dist-info with METADATA "
+                  "(Name: flash-attn) and top_level.txt (flash_attn) on sys.path.")
         # transformers' flash_attention_2 calls the installed flash_attn itself: one "ours".
         args.backends = ["ours" if n in C.OUR_FAMILIES else n for n in args.backends]
         args.backends = list(dict.fromkeys(args.backends))
@@ -331,6 +338,13 @@ def main(argv=None) -> int:
                             run(args, cfg, device, _hf_backends(args, backends), results,
                                 checkpoint),
                             render_markdown, lambda report, path: False)
+
+
+def _flash_attn_distribution() -> bool:
+    """Whether an installed flash-attn distribution provides the flash_attn package, as
+    transformers' is_flash_attn_2_available checks it."""
+    names = importlib.metadata.packages_distributions().get("flash_attn", [])
+    return any(n.replace("_", "-").lower() == "flash-attn" for n in names)
 
 
 def _hf_backends(args, backends: list[C.Backend]) -> list[C.Backend]:

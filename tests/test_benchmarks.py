@@ -23,3 +23,15 @@ def test_train_step_pipeline_runs_on_cpu(tmp_path):
     (rec,) = json.loads(report.read_text())["results"]
     assert rec["error"] is None, rec["error"]
     assert rec["ms"] > 0 and math.isfinite(rec["first_loss"])
+
+
+def test_train_sees_a_flash_attn_distribution_as_transformers_does(tmp_path, monkeypatch):
+    """transformers' flash_attention_2 looks for flash_attn by its installed distribution, which
+    an in-place build lacks (benchmark_train then says how to give it one): a dist-info that
+    names the package is enough."""
+    info = tmp_path / "flash_attn-2.8.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flash-attn\nVersion: 2.8.3\n")
+    (info / "top_level.txt").write_text("flash_attn\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert benchmark_train._flash_attn_distribution()
