@@ -34,9 +34,10 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
   s.dq = static_cast<float*>(p.workspace);
   s.dq_copies = plan.dq_copies;
   s.dq_copy_stride = rows * kernel_hdim;
-  s.next_item = reinterpret_cast<unsigned*>(s.dq + s.dq_copy_stride * s.dq_copies);
+  float* const after_dq = s.dq + s.dq_copy_stride * s.dq_copies;
+  s.next_item = reinterpret_cast<unsigned*>(after_dq);
   s.items = plan.items;
-  s.lse2 = s.dq + s.dq_copy_stride * s.dq_copies + 4;  // 16 bytes for next_item
+  s.lse2 = after_dq + kBwdCounterBytes / sizeof(float);
   s.dsum = s.lse2 + rows;
   s.dq_turns = p.deterministic ? reinterpret_cast<int*>(s.dsum + rows) : nullptr;
   return s;
@@ -61,7 +62,8 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   // writes at the memory's rate, which the preprocess's stores, interleaved with its loads,
   // did not reach.
   FLASH_CHECK_CUDA(
-      cudaMemsetAsync(s.dq, 0, size_t(s.dq_copy_stride) * s.dq_copies * 4 + 16, stream));
+      cudaMemsetAsync(s.dq, 0, size_t(s.dq_copy_stride) * s.dq_copies * 4 + kBwdCounterBytes,
+                      stream));
   if (s.dq_turns != nullptr) {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
         s.dq_turns, 0, size_t(rows / kBwdRowPad) * s.dq_copies * sizeof(int), stream));

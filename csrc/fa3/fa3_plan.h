@@ -271,6 +271,10 @@ constexpr int kBwdRowPad = 64;
 // starting in item order.
 constexpr bool bwd_persistent(int kernel_hdim) { return kernel_hdim == 64; }
 
+// The workspace's item counter (BwdScratch::next_item), after the dQ accumulators: 16 bytes, so
+// that lse and D after it stay 16-byte aligned for bulk copies.
+constexpr int kBwdCounterBytes = 16;
+
 // Deterministic calls whose key tiles all walk the same query tiles (no right bound on the
 // keys a row sees) add into this many dQ accumulators, summed in order at the conversion: the
 // chain of turns a dQ tile waits through is a quarter as long (fa3_bwd_kernel.cuh).
@@ -285,8 +289,8 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {})
     plan.dq_copies = int(std::clamp<int64_t>(key_tiles, 1, kBwdDqCopies));
   }
   const int64_t turns = p.deterministic ? plan.dq_copies * rows / kBwdRowPad : 0;
-  // 16 bytes for the item counter, so that lse and D stay 16-byte aligned for bulk copies.
-  plan.workspace_bytes = rows * (kernel_hdim * plan.dq_copies + 2) * 4 + 16 + turns * 4;
+  plan.workspace_bytes =
+      rows * (kernel_hdim * plan.dq_copies + 2) * 4 + kBwdCounterBytes + turns * 4;
   const int64_t items = key_tiles * p.heads_k * p.batch;
   plan.items = int(std::min<int64_t>(items, INT_MAX));  // plan_error: past INT_MAX
   // Persistent: the next item's K / V and first Q load under this one's last steps and
