@@ -330,29 +330,12 @@ BWD_CASES = [(2, 1, 239, 6, 1), (1, 113, 203, 7, 1), (1, 1023, 1024, 6, 6), (2, 
 @pytest.mark.parametrize("b,sq,sk,h,hk", BWD_CASES)
 def test_backward_agrees_with_fa2(b, sq, sk, h, hk, d, mods, causal, dtype):
     """fa3's backward (the gradient of an fa3 forward; 160 / 224 pad to the 192 / 256 tiles) and
-    fa2's on the same inputs and the same O / LSE: dq, dk, dv within 2 x PyTorch's error
-    (+ ulp) of each other. fa3's own check against the references is the other tests'."""
+    fa2's on the same inputs and the same O / LSE. fa3's own check against the references is
+    the other tests'."""
     skip_unless_built(dtype, d)
     assert build_matrix.backward_family("fa3", d, {"causal"} if causal else ()) == "fa3"
-    q, k, v = qkv(b, sq, sk, h, hk, d, dtype)
-    dout = randn(b, sq, h, d, dtype=dtype)
-    left, right = mods.get("window", (-1, -1))
-    right = 0 if causal else right
-    softcap = mods.get("softcap", 0.0)
-    args = (d ** -0.5, causal, left, right, softcap, None, 0.0, False)
-    out, lse, rng = _ops.run_fwd(q, k, v, *args, "fa3")
-    grads = {}
-    for family in ("fa3", "fa2"):
-        grads[family] = _ops.run_bwd(dout, q, k, v, out, lse, rng, *args[:-1], False, family)
-    spec = dict(causal=causal, softcap=softcap)
-    if "window" in mods:
-        spec["window_size"] = (left, right)
-    spec = reference_attn(spec, q.shape, sk)
-    truth = reference((q, k, v), lambda *t: t, dout, True, spec)
-    lowp = reference((q, k, v), lambda *t: t, dout, False, spec)
-    for i, name in enumerate(("dq", "dk", "dv")):
-        assert_agree(name, grads["fa3"][i], grads["fa2"][i], truth.grads[i], lowp.grads[i],
-                     dtype)
+    _backward_agrees_with_fa2(b, sq, sk, h, hk, d, dtype, causal, mods.get("window"),
+                              mods.get("softcap", 0.0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -366,14 +349,24 @@ def test_backward_more_items_than_sms(d, causal, dtype):
     skip_unless_built(dtype, d)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sk, h, hk = 1999, 6, 3  # 16 key tiles (32 at head dim 192)
-    b = 2 * sms // (16 * hk) + 1
-    q, k, v = qkv(b, 300, sk, h, hk, d, dtype)
-    dout = randn(b, 300, h, d, dtype=dtype)
-    args = (d ** -0.5, causal, -1, 0 if causal else -1, 0.0, None, 0.0, False)
+    _backward_agrees_with_fa2(2 * sms // (16 * hk) + 1, 300, sk, h, hk, d, dtype, causal)
+
+
+def _backward_agrees_with_fa2(b, sq, sk, h, hk, d, dtype, causal, window=None, softcap=0.0):
+    """fa3's and fa2's backward of an fa3 forward, on the same inputs, O and LSE: dq, dk, dv
+    within 2 x PyTorch's error (+ ulp) of each other. window: (left, right), right 0 if causal."""
+    q, k, v = qkv(b, sq, sk, h, hk, d, dtype)
+    dout = randn(b, sq, h, d, dtype=dtype)
+    left, right = window if window is not None else (-1, -1)
+    right = 0 if causal else right
+    args = (d ** -0.5, causal, left, right, softcap, None, 0.0, False)
     out, lse, rng = _ops.run_fwd(q, k, v, *args, "fa3")
     grads = {family: _ops.run_bwd(dout, q, k, v, out, lse, rng, *args[:-1], False, family)
              for family in ("fa3", "fa2")}
-    spec = reference_attn(dict(causal=causal), q.shape, sk)
+    spec = dict(causal=causal, softcap=softcap)
+    if window is not None:
+        spec["window_size"] = (left, right)
+    spec = reference_attn(spec, q.shape, sk)
     truth = reference((q, k, v), lambda *t: t, dout, True, spec)
     lowp = reference((q, k, v), lambda *t: t, dout, False, spec)
     for i, name in enumerate(("dq", "dk", "dv")):
