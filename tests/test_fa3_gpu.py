@@ -340,7 +340,7 @@ def test_backward_agrees_with_fa2(b, sq, sk, h, hk, d, mods, causal, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d", [64, 128, 192])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_backward_more_items_than_sms(d, causal, dtype):
     """More (key tile, KV head, batch) items than twice the SMs: where bwd_persistent says so
     (fa3_plan.h) a CTA an SM takes them in turn, the next item's K / V loading while this one's

@@ -99,17 +99,15 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   // V in registers for the default mode only: the deterministic one ran 2-10% slower with it
   // (H200, head dims 64 / 96), the default 2-4% faster.
   constexpr bool kV = Tr::kVRegs;
-  // Persistent where the plan says so, which is in default mode only: the V-in-registers
-  // kernels (bwd_persistent is off at head dims without them).
+  // Persistent where the plan says so: default mode at bwd_persistent's head dims.
   constexpr bool kP = bwd_persistent(kHeadDim);
-  static_assert(!kP || kV);
-  const bool mod = p.softcap > 0.f || p.alibi_slopes != nullptr, regs = kV && !p.deterministic;
-  if (plan.persistent != (kP && regs)) {
+  const bool mod = p.softcap > 0.f || p.alibi_slopes != nullptr, dflt = !p.deterministic;
+  if (plan.persistent != (kP && dflt)) {
     throw std::runtime_error("flash_attn: fa3 backward: the plan is not this head dim's");
   }
-  auto kernel = mod ? (regs ? bwd_kernel<Tr, Tma, true, kV, kP>
+  auto kernel = mod ? (dflt ? bwd_kernel<Tr, Tma, true, kV, kP>
                             : bwd_kernel<Tr, Tma, true, false, false>)
-                    : (regs ? bwd_kernel<Tr, Tma, false, kV, kP>
+                    : (dflt ? bwd_kernel<Tr, Tma, false, kV, kP>
                             : bwd_kernel<Tr, Tma, false, false, false>);
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));

@@ -263,6 +263,15 @@ struct BwdMainloop {
       #pragma unroll 1
       for (int m = steps.m_begin; m < steps.m_end; ++m) {
         const int stage = state.index();
+        // Each step derives the k-blocks' descriptors again, next to their GEMMs.
+        hide_desc_base(tSrK);
+        hide_desc_base(tSrQ);
+        hide_desc_base(tdPrV);
+        hide_desc_base(tdPrdO);
+        hide_desc_base(tdVrdO);
+        hide_desc_base(tdKrQ);
+        hide_desc_base(tdQrdS);
+        hide_desc_base(tdQrK);
         Tensor acc_s = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
         wait_q(t, pipe_q, pipe_do, state, state, varlen, m, seqlen_q);

@@ -265,11 +265,13 @@ constexpr int bwd_block_n(int kernel_hdim) { return kernel_hdim > 128 ? 64 : 128
 constexpr int kBwdRowPad = 64;
 
 // Head dims whose default-mode backward keeps a CTA an SM taking (key tile, KV head, batch)
-// items in turn (fa3_bwd_kernel.cuh), not a CTA an item: 64 (+6..10%, H200, 1k-16k). At 128
-// the item loop cost the steps 5-7% (its registers) for what the overlap at the items'
-// boundaries gains. Deterministic calls keep a CTA an item: their turns rely on CTAs
-// starting in item order.
-constexpr bool bwd_persistent(int kernel_hdim) { return kernel_hdim == 64; }
+// items in turn (fa3_bwd_kernel.cuh), not a CTA an item: 64 +6..10% (H200, 1k-16k). At 128
+// and 256 the item loop cost the steps registers and spills until the steps derived their
+// descriptors themselves (hide_desc_base); with that, against a CTA an item with it: 128
+// +0.7..+3%, 96 -0.9..0% (noise), 256 -0.1..+2.3% (against one without it). At 192 it lost
+// 1.4-1.9%: its 64-key items leave little to overlap. Deterministic calls keep a CTA an item:
+// their turns rely on CTAs starting in item order.
+constexpr bool bwd_persistent(int kernel_hdim) { return kernel_hdim != 192; }
 
 // The workspace's item counter (BwdScratch::next_item), after the dQ accumulators: 16 bytes, so
 // that lse and D after it stay 16-byte aligned for bulk copies.

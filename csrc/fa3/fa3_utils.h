@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -83,6 +84,19 @@ CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(Layout const& acc) {
 // Keeps the compiler from moving shared-memory accesses across CUTLASS's mbarrier waits and
 // arrives, whose asm has no memory clobber (the hardware ordering is the mbarriers').
 __device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
+
+// A shared-memory GEMM operand's descriptor base hidden from the compiler (an empty asm on its
+// low word) at the top of a loop that uses it: otherwise each k-block's descriptor, invariant
+// in the loop, is hoisted out and held in a register of its own. In a persistent backward CTA
+// some twenty of them went out of the item loop into vector registers and spilled in the
+// steps. A register fragment (no descriptor) is left as it is.
+template <class Frag>
+__device__ __forceinline__ void hide_desc_base(Frag& frag) {
+  using Iterator = std::remove_cv_t<std::remove_reference_t<decltype(frag.data())>>;
+  if constexpr (std::is_same_v<Iterator, GMMA::DescriptorIterator>) {
+    asm volatile("" : "+r"(frag.data().desc_.reg32_[0]));
+  }
+}
 
 // One warpgroup's GEMM, issued and committed (not waited for). zero: C = A B (C's registers
 // are not read), else C += A B.

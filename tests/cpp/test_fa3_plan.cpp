@@ -157,13 +157,17 @@ int main() {
     const BwdPlan plain = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128);
     CHECK(plain.dq_copies == 1 && plain.workspace_bytes == rows * (128 + 2) * 4 + 16);
     CHECK(plain.items == 12 * 2 * 2 && plain.ctas == plain.items);  // 1500 keys: 12 tiles
-    CHECK(!plain.persistent);
+    CHECK(plain.persistent);
+    const BwdPlan wide = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 256);
+    CHECK(wide.items == 24 * 2 * 2 && wide.ctas == wide.items && wide.persistent);
+    CHECK(!plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 192).persistent);
     const BwdPlan many = plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 64);
     CHECK(many.items == 8 * 16 * 16 && many.persistent && many.ctas == 132);
     CHECK(!plan_error(many));
     const BwdPlan few = plan_bwd(bwd(call(1, 1024, 1024, 4, 4), false), 64);
     CHECK(few.persistent && few.ctas == few.items && few.items == 32);
-    CHECK(!plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128).persistent);
+    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128).ctas == 132);
+    CHECK(!plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 192).persistent);
     const BwdPlan full = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 128);
     CHECK(full.dq_copies == 4);
     CHECK(full.workspace_bytes == rows * (4 * 128 + 2) * 4 + 16 + 4 * rows / 64 * 4);
@@ -175,7 +179,7 @@ int main() {
     // 2^31 items or more: refused (the kernel's item indices are 32-bit).
     CHECK(plan_error(plan_bwd(bwd(call(1 << 16, 64, 1 << 16, 256, 256), false), 128)));
     // 1.5 * 2^30 items, a CTA each: accepted (only a persistent grid counts past its items).
-    CHECK(!plan_error(plan_bwd(bwd(call(1 << 16, 64, 96 * 128, 256, 256), false), 128)));
+    CHECK(!plan_error(plan_bwd(bwd(call(1 << 16, 64, 96 * 64, 256, 256), false), 192)));
     FwdParams left = call(2, 1000, 1500, 6, 2);
     left.window_left = 200;
     CHECK(plan_bwd(bwd(left, true), 128).dq_copies == 4);
