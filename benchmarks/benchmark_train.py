@@ -7,6 +7,7 @@ differences between backends are their attention's forward and backward.
     python benchmarks/benchmark_train.py                      # 8 layers, hidden 2048, seqlen 4k
     python benchmarks/benchmark_train.py --model hf           # HF transformers' LlamaForCausalLM
     python benchmarks/benchmark_train.py --quick              # smoke test
+    python benchmarks/benchmark_train.py --profile            # + the attention's share
 
 --model own (default) is this file's decoder, whose attention is flash_attn_func (ours) or
 SDPA with one kernel forced (cudnn, sdpa_flash). --model hf builds transformers'
@@ -14,7 +15,9 @@ LlamaForCausalLM (when transformers is installed) with attn_implementation "flas
 (transformers calls the installed flash_attn package: "ours" is its automatic choice) against
 "sdpa" with SDPA's kernel forced. Each backend gets the same initial weights and token batches;
 the loss of its first step is recorded next to the first baseline's, so that a backend that is
-fast and wrong shows.
+fast and wrong shows. --profile then runs two more steps a backend under torch.profiler and
+records the GPU time a step of the attention's kernels (by name: ATTENTION_KERNEL) against all
+kernels', so that a step's speedup can be read against the attention's share of it.
 
 Writes benchmarks/results/train_<GPU>_<dtype>.{md,json}; see benchmarks/README.md.
 """
@@ -22,9 +25,11 @@ Writes benchmarks/results/train_<GPU>_<dtype>.{md,json}; see benchmarks/README.m
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.metadata
 import importlib.util
 import math
+import re
 import statistics
 import sys
 import time
@@ -45,6 +50,11 @@ TIMING = ("CUDA events around each step (forward, loss, backward, optimizer step
           "gradients); median over `steps` timed steps after `warmup` untimed ones, in `rounds` "
           "rounds that alternate between the backends; every backend trains its own copy of the "
           "same initial weights on the same token batches.")
+
+# The attention's kernels in a profile, by name: ours (namespace flash::), SDPA's flash
+# (pytorch_flash::), cuDNN's (cudnn_generated_...sdpa...), PyTorch's memory-efficient (fmha).
+# A backend's memsets (ours zeroes the dQ accumulator) count with the rest of the step.
+ATTENTION_KERNEL = re.compile(r"flash|fmha|sdpa|cudnn|attention", re.IGNORECASE)
 
 
 # ---- the model (--model own) ------------------------------------------------------------------
@@ -205,6 +215,31 @@ def train_steps(model, opt, data, device, timed: bool) -> tuple[list[float], lis
     return times, losses
 
 
+def kernel_summary(kernels: list[tuple[str, float]], steps: int) -> dict:
+    """(kernel name, GPU microseconds) of `steps` steps -> ms a step, all kernels and the
+    attention's (ATTENTION_KERNEL), with the attention's five largest kernels."""
+    attention = collections.Counter()
+    total = 0.0
+    for name, us in kernels:
+        total += us
+        if ATTENTION_KERNEL.search(name):
+            attention[name[:120]] += us
+    per_step = 1e-3 / steps
+    return dict(gpu_ms=total * per_step, attention_ms=sum(attention.values()) * per_step,
+                attention_kernels=[dict(name=n, ms=us * per_step)
+                                   for n, us in attention.most_common(5)])
+
+
+def profile_steps(model, opt, data, device) -> dict:
+    """kernel_summary of the given steps, run under torch.profiler (CUDA kernels only)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_steps(model, opt, data, device, False)
+    kernels = [(e.name, e.device_time_total) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    return kernel_summary(kernels, len(data))
+
+
 def run(args, cfg: dict, device, backends: list[C.Backend], results: list[dict],
         checkpoint) -> None:
     dtype = C.DTYPES[args.dtype]
@@ -247,6 +282,23 @@ def run(args, cfg: dict, device, backends: list[C.Backend], results: list[dict],
             C.log(f"{time.time() - t0:5.0f}s  round {round_ + 1} {name:12s} "
                   f"{statistics.median(out[0]):8.2f} ms/step")
         checkpoint()
+    if not args.profile:
+        return
+    if device.type != "cuda":
+        C.log("benchmark_train: --profile needs a CUDA GPU; skipped")
+        return
+    for name, (model, opt) in state.items():
+        data = list(batches(args, cfg, device, 3))
+        _, error = C.attempt(train_steps, model, opt, data[:1], device, False)
+        if not error:
+            out, error = C.attempt(profile_steps, model, opt, data[1:], device)
+        if error:
+            by_name[name]["profile_error"] = error
+            continue
+        by_name[name]["profile"] = out
+        C.log(f"profile {name:12s} attention {out['attention_ms']:7.2f} of "
+              f"{out['gpu_ms']:7.2f} GPU ms/step")
+    checkpoint()
 
 
 # ---- output -----------------------------------------------------------------------------------
@@ -257,16 +309,23 @@ def render_markdown(report: dict) -> str:
     base = next((r for r in rows if r["kind"] == "baseline" and r.get("ms")), None)
     ref_loss = next((r["first_loss"] for r in rows if r["kind"] == "baseline"
                      and "first_loss" in r), None)
+    profiled = any("profile" in r for r in rows)
     table = []
     for r in rows:
         if not r.get("ms"):
-            table.append([r["backend"], "", "", "", "", r.get("error") or "not run"])
+            table.append([r["backend"], "", "", "", "", r.get("error") or "not run"]
+                         + [""] * profiled)
             continue
         loss = r.get("first_loss", math.nan)
         flag = "" if ref_loss is None or abs(loss - ref_loss) <= 1e-2 * abs(ref_loss) else " *"
         ratio = f"{base['ms'] / r['ms']:.3f}x" if base else ""
-        table.append([r["backend"], f"{r['ms']:.2f}", f"{r['tokens_per_s']:.0f}", ratio,
-                      f"{loss:.4f}{flag}", ""])
+        row = [r["backend"], f"{r['ms']:.2f}", f"{r['tokens_per_s']:.0f}", ratio,
+               f"{loss:.4f}{flag}", r.get("profile_error", "")]
+        if profiled:
+            p = r.get("profile")
+            row.append(f"{p['attention_ms']:.2f} of {p['gpu_ms']:.2f} "
+                       f"({p['attention_ms'] / p['gpu_ms']:.0%})" if p and p["gpu_ms"] else "")
+        table.append(row)
     lines = [f"# Training step: {meta['device']}, {cfg['dtype']}, model {cfg['model']}", ""]
     lines += C.meta_lines(meta)
     lines += [
@@ -278,11 +337,21 @@ def render_markdown(report: dict) -> str:
         "",
         C.markdown_table(["backend", "ms / step", "tokens / s",
                           f"speed vs {base['backend'] if base else 'baseline'}",
-                          "first loss", "note"], table, right_from=1),
+                          "first loss", "note"]
+                         + ["attention GPU ms / step (share)"] * profiled, table, right_from=1),
         "",
         "`*`: the first step's loss differs from the first baseline's by more than 1%.",
         "",
     ]
+    if profiled:
+        lines += ["Attention: the GPU time a step (torch.profiler, two steps after the timed "
+                  "ones) of the kernels whose names match "
+                  f"`{ATTENTION_KERNEL.pattern}`, of all kernels' GPU time a step. Its largest "
+                  "kernels:", ""]
+        for r in rows:
+            for k in r.get("profile", {}).get("attention_kernels", []):
+                lines.append(f"- {r['backend']}: {k['ms']:.2f} ms `{k['name']}`")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -300,6 +369,8 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", type=Path, default=C.DEFAULT_OUT_DIR)
     p.add_argument("--tag", help="suffix for the output file names")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="also the attention kernels' GPU time a step (torch.profiler)")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: pipeline smoke test
     args = p.parse_args(argv)
     args.backends = C.parse_name_list(args.backends)

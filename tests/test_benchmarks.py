@@ -17,12 +17,26 @@ import benchmark_train  # noqa: E402
 def test_train_step_pipeline_runs_on_cpu(tmp_path):
     rc = benchmark_train.main(["--quick", "--device", "cpu", "--backends", "sdpa_flash",
                                "--layers", "1", "--batch", "2", "--steps", "1", "--warmup", "0", "--rounds", "1",
-                               "--out-dir", str(tmp_path)])
+                               "--profile", "--out-dir", str(tmp_path)])
     assert rc == 0
     (report,) = tmp_path.glob("train_*.json")
     (rec,) = json.loads(report.read_text())["results"]
     assert rec["error"] is None, rec["error"]
     assert rec["ms"] > 0 and math.isfinite(rec["first_loss"])
+    assert "profile" not in rec  # --profile needs a GPU: skipped, said so, the report intact
+
+
+def test_train_profile_sums_the_attention_kernels_a_step():
+    us = {"void flash::fa3::bwd_kernel<Tr, true>(...)": 300.0, "sm90_xmma_gemm_bf16": 500.0,
+          "cudnn_generated_fort_native_sdpa_sm90_fprop": 100.0, "elementwise_kernel": 60.0,
+          "void pytorch_flash::flash_fwd_kernel<...>": 40.0}
+    kernels = list(us.items()) * 2  # two steps
+    s = benchmark_train.kernel_summary(kernels, steps=2)
+    assert s["gpu_ms"] == pytest.approx(1.0) and s["attention_ms"] == pytest.approx(0.44)
+    assert [k["name"] for k in s["attention_kernels"]] == [
+        "void flash::fa3::bwd_kernel<Tr, true>(...)",
+        "cudnn_generated_fort_native_sdpa_sm90_fprop", "void pytorch_flash::flash_fwd_kernel<...>"]
+    assert s["attention_kernels"][0]["ms"] == pytest.approx(0.3)
 
 
 def test_train_sees_a_flash_attn_distribution_as_transformers_does(tmp_path, monkeypatch):
