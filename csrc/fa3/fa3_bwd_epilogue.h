@@ -41,15 +41,14 @@ __device__ __forceinline__ void dq_turn_pass(int* counter) {
 // Deterministic mode: in turn, and complete before the turn passes on.
 template <class Tr>
 __device__ __forceinline__ void add_dq_tile(const BwdParams& p, const BwdScratch& s,
-                                            int n_block, int seqlen_q, int seqlen_k, int m_tile,
+                                            int n_block, const Mask& mask, int m_tile,
                                             int64_t offset, const float* tile) {
   constexpr int kTile = Tr::kBlockM * Tr::kHeadDim;
   const int dq_copy = n_block % s.dq_copies;
   int* turns = nullptr;
   if (s.dq_turns != nullptr) {
     turns = s.dq_turns + dq_copy * (s.dq_copy_stride / kTile) + offset / kTile;
-    const int last = last_key_tile_of<Tr::kBlockM, Tr::kBlockN>(Mask(p, seqlen_q, seqlen_k),
-                                                                m_tile, n_block);
+    const int last = last_key_tile_of<Tr::kBlockM, Tr::kBlockN>(mask, m_tile, n_block);
     dq_turn_wait(turns, (last - n_block) / s.dq_copies);
   }
   bulk_reduce_add(s.dq + dq_copy * s.dq_copy_stride + offset, tile, Tr::kdQBytes);
@@ -84,21 +83,19 @@ struct BwdEpilogue {
       const int item = Items::take(shared, taken);
       Items::release(shared);  // the writer reads nothing else of the slot or K / V
       if (item < 0) break;
-      const BwdItem<Tr> it(p, item);
-      const flash::SeqInfo seq(p, it.batch);
-      const int seqlen_q = seq.seqlen_q(p), seqlen_k = seq.seqlen_k(p);
-      const BwdSteps<Tr> steps(p, Mask(p, seqlen_q, seqlen_k), it.n_block);
-      if (steps.count() == 0) continue;
+      const BwdWork<Tr> w(p, item);
+      if (w.steps.count() == 0) continue;
       // The scratch row of the group's first head, then of each next one.
-      int64_t head_row = (int64_t(it.batch) * p.heads + it.head_k * steps.heads_per_kv) * rows_q;
+      int64_t head_row =
+          (int64_t(w.it.batch) * p.heads + w.it.head_k * w.steps.heads_per_kv) * rows_q;
       #pragma unroll 1
-      for (int hq = 0; hq < steps.heads_per_kv; ++hq, head_row += rows_q) {
+      for (int hq = 0; hq < w.steps.heads_per_kv; ++hq, head_row += rows_q) {
         #pragma unroll 1
-        for (int m = steps.m_begin; m < steps.m_end; ++m) {
+        for (int m = w.steps.m_begin; m < w.steps.m_end; ++m) {
           cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + b);
           if (leader) {
-            add_dq_tile<Tr>(p, s, it.n_block, seqlen_q, seqlen_k, m,
-                            (head_row + m * kBlockM) * kHeadDim, shared.dq(b));
+            add_dq_tile<Tr>(p, s, w.it.n_block, w.mask, m, (head_row + m * kBlockM) * kHeadDim,
+                            shared.dq(b));
           }
           __syncwarp();
           cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads,

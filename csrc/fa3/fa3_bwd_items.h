@@ -11,6 +11,7 @@
 #include "common/mask.h"
 #include "common/params.h"
 #include "common/query_tiles.h"
+#include "common/seqinfo.h"
 #include "fa3/fa3_bwd_prep.cuh"
 #include "fa3/fa3_utils.h"
 
@@ -40,6 +41,18 @@ struct BwdSteps {
     heads_per_kv = p.heads / p.heads_k;
   }
   __device__ int count() const { return m_end > m_begin ? heads_per_kv * (m_end - m_begin) : 0; }
+};
+
+// An item with what follows from it: its sequence, mask and query tiles. The producer, the
+// consumers and the dQ writer each derive it from the item they take.
+template <class Tr>
+struct BwdWork {
+  BwdItem<Tr> it;
+  flash::SeqInfo seq;
+  Mask mask;
+  BwdSteps<Tr> steps;
+  __device__ BwdWork(const BwdParams& p, int item)
+      : it(p, item), seq(p, it.batch), mask(p, seq), steps(p, mask, it.n_block) {}
 };
 
 // The handoff. Items are 32-bit (fa3_plan.h: plan_error). kPersistent: a CTA takes items

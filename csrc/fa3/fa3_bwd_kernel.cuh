@@ -104,14 +104,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         cutlass::arch::ClusterBarrier::arrive(&shared.kv_full);
         break;
       }
-      const BwdItem<Tr> it(p, item);
-      const flash::SeqInfo seq(p, it.batch);
-      const BwdSteps<Tr> steps(p, Mask(p, seq.seqlen_q(p), seq.seqlen_k(p)), it.n_block);
-      if (steps.count() == 0) {
+      const BwdWork<Tr> w(p, item);
+      if (w.steps.count() == 0) {
         cutlass::arch::ClusterBarrier::arrive(&shared.kv_full);  // dK = dV = 0, no loads
       } else {
-        BwdMainloop<Tr>::load(p, tma, s, shared, pipe_q, pipe_do, state_q, state_do, seq,
-                              steps, it.n_block, it.head_k, it.batch);
+        BwdMainloop<Tr>::load(p, tma, s, shared, pipe_q, pipe_do, state_q, state_do, w.seq,
+                              w.steps, w.it.n_block, w.it.head_k, w.it.batch);
       }
       // A CTA of one item publishes no end: an arrive now would land in the item's own
       // phase of kv_full, before its bytes.
@@ -143,20 +141,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   for (int taken = 0;; ++taken) {
     const int item = Items::take(shared, taken);
     if (item < 0) break;
-    const BwdItem<Tr> it(p, item);
-    const flash::SeqInfo seq(p, it.batch);
-    const Mask mask(p, seq.seqlen_q(p), seq.seqlen_k(p));
-    const BwdSteps<Tr> steps(p, mask, it.n_block);
+    const BwdWork<Tr> w(p, item);
     clear(acc_dk);
     clear(acc_dv);
     if constexpr (Tr::kWide) {  // all keys of the tile, head-dim half cw
       BwdWideConsumer<Tr>::template mma<kScoreMod>(p, shared, pipe_q, pipe_do, state_q,
-                                                   state_do, taken & 1, seq, mask, steps,
-                                                   it.n_block, it.head_k, cw, acc_dk, acc_dv);
+                                                   state_do, taken & 1, w.seq, w.mask, w.steps,
+                                                   w.it.n_block, w.it.head_k, cw, acc_dk,
+                                                   acc_dv);
     } else {  // keys [64 cw, 64 cw + 64) of the tile, all the head dim
       BwdMainloop<Tr>::template mma<kScoreMod, kVRegs>(p, shared, pipe_q, pipe_do, state_q,
-                                                       buf, taken & 1, seq, mask, steps,
-                                                       it.n_block, it.head_k, cw, acc_dk,
+                                                       buf, taken & 1, w.seq, w.mask, w.steps,
+                                                       w.it.n_block, w.it.head_k, cw, acc_dk,
                                                        acc_dv);
     }
     // The item again for the stores: kept through the steps, its coordinates spilled.
