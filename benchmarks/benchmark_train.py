@@ -53,7 +53,8 @@ TIMING = ("CUDA events around each step (forward, loss, backward, optimizer step
 
 # The attention's kernels in a profile, by name: ours (namespace flash::), SDPA's flash
 # (pytorch_flash::), cuDNN's (cudnn_generated_...sdpa...), PyTorch's memory-efficient (fmha).
-# A backend's memsets (ours zeroes the dQ accumulator) count with the rest of the step.
+# Memsets count with the rest of the step: ours zeroes the dQ accumulator by one (0.03 ms a
+# backward call at 16k tokens, hidden 2048, H200), cuDNN inside its dot(dO, O) kernel.
 ATTENTION_KERNEL = re.compile(r"flash|fmha|sdpa|cudnn|attention", re.IGNORECASE)
 
 
@@ -223,7 +224,7 @@ def kernel_summary(kernels: list[tuple[str, float]], steps: int) -> dict:
     for name, us in kernels:
         total += us
         if ATTENTION_KERNEL.search(name):
-            attention[name[:120]] += us
+            attention[name] += us
     per_step = 1e-3 / steps
     return dict(gpu_ms=total * per_step, attention_ms=sum(attention.values()) * per_step,
                 attention_kernels=[dict(name=n, ms=us * per_step)
@@ -293,7 +294,7 @@ def run(args, cfg: dict, device, backends: list[C.Backend], results: list[dict],
         if not error:
             out, error = C.attempt(profile_steps, model, opt, data[1:], device)
         if error:
-            by_name[name]["profile_error"] = error
+            by_name[name]["profile_error"] = f"profile: {error}"
             continue
         by_name[name]["profile"] = out
         C.log(f"profile {name:12s} attention {out['attention_ms']:7.2f} of "
@@ -346,11 +347,12 @@ def render_markdown(report: dict) -> str:
     if profiled:
         lines += ["Attention: the GPU time a step (torch.profiler, two steps after the timed "
                   "ones) of the kernels whose names match "
-                  f"`{ATTENTION_KERNEL.pattern}`, of all kernels' GPU time a step. Its largest "
-                  "kernels:", ""]
+                  f"`{ATTENTION_KERNEL.pattern}`, of all kernels' GPU time a step (memsets "
+                  "count with the rest: ours zeroes the dQ accumulator by one, cuDNN inside a "
+                  "kernel). Its largest kernels:", ""]
         for r in rows:
             for k in r.get("profile", {}).get("attention_kernels", []):
-                lines.append(f"- {r['backend']}: {k['ms']:.2f} ms `{k['name']}`")
+                lines.append(f"- {r['backend']}: {k['ms']:.2f} ms `{k['name'][:120]}`")
         lines.append("")
     return "\n".join(lines)
 

@@ -49,3 +49,23 @@ def test_train_sees_a_flash_attn_distribution_as_transformers_does(tmp_path, mon
     (info / "top_level.txt").write_text("flash_attn\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert benchmark_train._flash_attn_distribution()
+
+
+def test_train_report_shows_the_attention_share_where_profiled(tmp_path):
+    rc = benchmark_train.main(["--quick", "--device", "cpu", "--backends", "sdpa_flash",
+                               "--layers", "1", "--batch", "2", "--steps", "1", "--warmup", "0",
+                               "--rounds", "1", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    (path,) = tmp_path.glob("train_*.json")
+    report = json.loads(path.read_text())
+    (timed,) = report["results"]
+    profiled = dict(timed, backend="a", profile=benchmark_train.kernel_summary(
+        [("void flash::fa3::bwd_kernel<x>", 300.0), ("gemm", 700.0)], steps=1))
+    failed = dict(timed, backend="b", profile_error="profile: RuntimeError: no CUPTI")
+    report["results"] = [profiled, failed, dict(timed, backend="c")]
+    rows = {line.split("|")[1].strip(): line for line in
+            benchmark_train.render_markdown(report).splitlines() if line.startswith("| ")}
+    assert rows["a"].rstrip(" |").endswith("0.30 of 1.00 (30%)")
+    assert "profile: RuntimeError: no CUPTI" in rows["b"]
+    assert rows["c"].count("|") == rows["a"].count("|")  # an empty cell, not a missing one
+    assert "- a: 0.30 ms `void flash::fa3::bwd_kernel<x>`" in benchmark_train.render_markdown(report)

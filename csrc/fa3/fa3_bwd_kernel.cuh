@@ -1,5 +1,6 @@
 // The FA3 backward kernel: a CTA an SM taking items (key tile, KV head, batch) in turn
-// (fa3_bwd_items.h; in deterministic mode a CTA an item), three warpgroups:
+// (fa3_bwd_items.h; in deterministic mode, and at head dim 192, a CTA an item), three
+// warpgroups:
 //   warpgroup 0, the producer: one thread claims each item and loads its K and V once, then
 //     each step's Q and dO tiles (TMA) with their rows' lse and D (bulk copies) into
 //     pipelines that run on from item to item; its second warp, the dQ writer, adds each
@@ -130,9 +131,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // The store's thread index pinned (an empty asm; ptxas's choices, measured): in a persistent
   // CTA, or the store's coordinates are computed before the item loop and spilled across the
   // steps; in the deterministic-only kernels (no V in registers at a head dim that has it),
-  // +4..+23% at 64, +2..+12% at 96. Not in the other kernels of one item: there the steps'
-  // masking went from predicated instructions to 32 branches a step (default mode at 96
-  // -2..-4.5%, at 128 -1.3..0%).
+  // +4..+23% at 64, +2..+12% at 96. Not in the other kernels of one item (default 192,
+  // deterministic 128 / 192 / 256): there the steps' masking went from predicated
+  // instructions to 32 branches a step (one-item default kernels at 96 -2..-4.5%, at 128
+  // -1.3..0%).
   constexpr bool kPinTid = kPersistent || (Tr::kVRegs && !kVRegs);
   cutlass::PipelineState<Tr::kStagesQ> state_q;
   cutlass::PipelineState<Tr::kStagesdO> state_do;

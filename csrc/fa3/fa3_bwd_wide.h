@@ -19,6 +19,7 @@
 #include "fa3/fa3_bwd_mainloop.h"
 #include "fa3/fa3_bwd_score.h"
 #include "fa3/fa3_bwd_traits.h"
+#include "fa3/fa3_plan.h"
 #include "fa3/fa3_utils.h"
 
 namespace flash::fa3 {
@@ -99,9 +100,10 @@ struct BwdWideConsumer {
       #pragma unroll 1
       for (int m = steps.m_begin; m < steps.m_end; ++m) {
         const int sq = state_q.index(), sdo = state_do.index();
-        // Each step derives the k-blocks' descriptors again, next to their GEMMs, where an
-        // item loop would hoist them (bwd_persistent): at 192, where none does, it cost
-        // 0.8-1.6% (H200).
+        // Each step derives the k-blocks' descriptors again, next to their GEMMs, at the head
+        // dim whose default kernel loops over items (bwd_persistent), which would otherwise
+        // hoist them out of it; its deterministic kernel of one item too (measured level). At
+        // 192, with no item loop, it cost 0.8-1.6% (H200).
         if constexpr (bwd_persistent(Tr::kHeadDim)) {
           hide_desc_base(tSrK);
           hide_desc_base(tSrQ);

@@ -265,12 +265,10 @@ constexpr int bwd_block_n(int kernel_hdim) { return kernel_hdim > 128 ? 64 : 128
 constexpr int kBwdRowPad = 64;
 
 // Head dims whose default-mode backward keeps a CTA an SM taking (key tile, KV head, batch)
-// items in turn (fa3_bwd_kernel.cuh), not a CTA an item: 64 +6..10% (H200, 1k-16k). At 128
-// and 256 the item loop cost the steps registers and spills until the steps derived their
-// descriptors themselves (hide_desc_base); with that, against a CTA an item with it: 128
-// +0.7..+3%, 96 -0.9..0% (noise), 256 -0.1..+2.3% (against one without it). At 192 it lost
-// 1.4-1.9%: its 64-key items leave little to overlap. Deterministic calls keep a CTA an item:
-// their turns rely on CTAs starting in item order.
+// items in turn (fa3_bwd_kernel.cuh), not a CTA an item: the next item's K / V load under
+// this one's dK / dV stores (64 +6..10%, 128 / 256 up to +3%, 96 level; docs/fa3_decisions.md).
+// Not at 192 (-1.4..-1.9%): its 64-key items leave little to overlap. Deterministic calls keep
+// a CTA an item: their turns rely on CTAs starting in item order.
 constexpr bool bwd_persistent(int kernel_hdim) { return kernel_hdim != 192; }
 
 // The workspace's item counter (BwdScratch::next_item), after the dQ accumulators: 16 bytes, so

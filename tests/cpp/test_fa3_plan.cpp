@@ -145,7 +145,8 @@ int main() {
   // The backward: dQ accumulator (fp32, rows padded to 64 per head), the item counter (16
   // bytes), lse, D; deterministic calls add one turn counter per 64 rows, and those without a
   // right bound on the keys (full, a left window) four accumulators, or one per key tile below
-  // that. A CTA an SM takes the (key tile, KV head, batch) items; deterministic, a CTA an item.
+  // that. A CTA an SM takes the (key tile, KV head, batch) items; deterministic, and at head dim
+  // 192, a CTA an item.
   {
     auto bwd = [](FwdParams f, bool deterministic) {
       BwdParams p;
@@ -166,7 +167,8 @@ int main() {
     CHECK(!plan_error(many));
     const BwdPlan few = plan_bwd(bwd(call(1, 1024, 1024, 4, 4), false), 64);
     CHECK(few.persistent && few.ctas == few.items && few.items == 32);
-    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128).ctas == 132);
+    const BwdPlan many128 = plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128);
+    CHECK(many128.persistent && many128.ctas == 132);
     CHECK(!plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 192).persistent);
     const BwdPlan full = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 128);
     CHECK(full.dq_copies == 4);
