@@ -14,13 +14,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import benchmark_train  # noqa: E402
 
 
-def test_train_step_pipeline_runs_on_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def cpu_train_report(tmp_path_factory):
+    """benchmark_train's report of one tiny CPU run (--profile asked for; it needs a GPU)."""
+    out = tmp_path_factory.mktemp("train")
     rc = benchmark_train.main(["--quick", "--device", "cpu", "--backends", "sdpa_flash",
                                "--layers", "1", "--batch", "2", "--steps", "1", "--warmup", "0", "--rounds", "1",
-                               "--profile", "--out-dir", str(tmp_path)])
+                               "--profile", "--out-dir", str(out)])
     assert rc == 0
-    (report,) = tmp_path.glob("train_*.json")
-    (rec,) = json.loads(report.read_text())["results"]
+    (report,) = out.glob("train_*.json")
+    return json.loads(report.read_text())
+
+
+def test_train_step_pipeline_runs_on_cpu(cpu_train_report):
+    (rec,) = cpu_train_report["results"]
     assert rec["error"] is None, rec["error"]
     assert rec["ms"] > 0 and math.isfinite(rec["first_loss"])
     assert "profile" not in rec  # --profile needs a GPU: skipped, said so, the report intact
@@ -51,21 +58,17 @@ def test_train_sees_a_flash_attn_distribution_as_transformers_does(tmp_path, mon
     assert benchmark_train._flash_attn_distribution()
 
 
-def test_train_report_shows_the_attention_share_where_profiled(tmp_path):
-    rc = benchmark_train.main(["--quick", "--device", "cpu", "--backends", "sdpa_flash",
-                               "--layers", "1", "--batch", "2", "--steps", "1", "--warmup", "0",
-                               "--rounds", "1", "--out-dir", str(tmp_path)])
-    assert rc == 0
-    (path,) = tmp_path.glob("train_*.json")
-    report = json.loads(path.read_text())
+def test_train_report_shows_the_attention_share_where_profiled(cpu_train_report):
+    report = dict(cpu_train_report)
     (timed,) = report["results"]
     profiled = dict(timed, backend="a", profile=benchmark_train.kernel_summary(
         [("void flash::fa3::bwd_kernel<x>", 300.0), ("gemm", 700.0)], steps=1))
     failed = dict(timed, backend="b", profile_error="profile: RuntimeError: no CUPTI")
     report["results"] = [profiled, failed, dict(timed, backend="c")]
-    rows = {line.split("|")[1].strip(): line for line in
-            benchmark_train.render_markdown(report).splitlines() if line.startswith("| ")}
+    markdown = benchmark_train.render_markdown(report)
+    rows = {line.split("|")[1].strip(): line for line in markdown.splitlines()
+            if line.startswith("| ")}
     assert rows["a"].rstrip(" |").endswith("0.30 of 1.00 (30%)")
     assert "profile: RuntimeError: no CUPTI" in rows["b"]
     assert rows["c"].count("|") == rows["a"].count("|")  # an empty cell, not a missing one
-    assert "- a: 0.30 ms `void flash::fa3::bwd_kernel<x>`" in benchmark_train.render_markdown(report)
+    assert "- a: 0.30 ms `void flash::fa3::bwd_kernel<x>`" in markdown

@@ -266,14 +266,7 @@ struct BwdMainloop {
         // Each step derives the k-blocks' descriptors again, next to their GEMMs: the
         // persistent kernels' item loop would hoist them (fa3_utils.h); in the kernels of one
         // item it measured level (128) or better (96 +1.3..+2%, H200).
-        hide_desc_base(tSrK);
-        hide_desc_base(tSrQ);
-        hide_desc_base(tdPrV);
-        hide_desc_base(tdPrdO);
-        hide_desc_base(tdVrdO);
-        hide_desc_base(tdKrQ);
-        hide_desc_base(tdQrdS);
-        hide_desc_base(tdQrK);
+        hide_desc_base(tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK);
         Tensor acc_s = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
         wait_q(t, pipe_q, pipe_do, state, state, varlen, m, seqlen_q);

@@ -105,16 +105,7 @@ struct BwdWideConsumer {
         // hoist them out of it; its deterministic kernel of one item too (measured level). At
         // 192, with no item loop, it cost 0.8-1.6% (H200).
         if constexpr (bwd_persistent(Tr::kHeadDim)) {
-          hide_desc_base(tSrK);
-          hide_desc_base(tSrQ);
-          hide_desc_base(tdPrV);
-          hide_desc_base(tdPrdO);
-          hide_desc_base(tdVrP);
-          hide_desc_base(tdVrdO);
-          hide_desc_base(tdKrdS);
-          hide_desc_base(tdKrQ);
-          hide_desc_base(tdQrdS);
-          hide_desc_base(tdQrK);
+          hide_desc_base(tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK);
         }
         Tensor acc_s = partition_fragment_C(mma_st, Shape<_64, Int<kRows>>{});
         Tensor acc_dp = partition_fragment_C(mma_st, Shape<_64, Int<kRows>>{});

@@ -85,17 +85,20 @@ CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(Layout const& acc) {
 // arrives, whose asm has no memory clobber (the hardware ordering is the mbarriers').
 __device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
 
-// A shared-memory GEMM operand's descriptor base hidden from the compiler (an empty asm on its
-// low word) at the top of a loop that uses it: otherwise each k-block's descriptor, invariant
-// in the loop, is hoisted out and held in a register of its own. In a persistent backward CTA
-// some twenty of them went out of the item loop into vector registers and spilled in the
-// steps. A register fragment (no descriptor) is left as it is.
-template <class Frag>
-__device__ __forceinline__ void hide_desc_base(Frag& frag) {
-  using Iterator = std::remove_cv_t<std::remove_reference_t<decltype(frag.data())>>;
-  if constexpr (std::is_same_v<Iterator, GMMA::DescriptorIterator>) {
-    asm volatile("" : "+r"(frag.data().desc_.reg32_[0]));
-  }
+// Shared-memory GEMM operands' descriptor bases hidden from the compiler (an empty asm on each
+// one's low word) at the top of a loop that uses them: otherwise each k-block's descriptor,
+// invariant in the loop, is hoisted out and held in a register of its own. In a persistent
+// backward CTA some twenty of them went out of the item loop into vector registers and spilled
+// in the steps. A register fragment (no descriptor) is left as it is.
+template <class... Frags>
+__device__ __forceinline__ void hide_desc_base(Frags&... frags) {
+  auto hide = [](auto& frag) {
+    using Iterator = std::remove_cv_t<std::remove_reference_t<decltype(frag.data())>>;
+    if constexpr (std::is_same_v<Iterator, GMMA::DescriptorIterator>) {
+      asm volatile("" : "+r"(frag.data().desc_.reg32_[0]));
+    }
+  };
+  (hide(frags), ...);
 }
 
 // One warpgroup's GEMM, issued and committed (not waited for). zero: C = A B (C's registers
