@@ -108,28 +108,49 @@ struct BwdEpilogue {
   }
 
   // dK (times softmax_scale) and dV of a consumer's 64 keys from key0 and kKVCols columns
-  // from col0, below the sequence's rows and head_dim. kPinTid: the thread index pinned
-  // (bwd_kernel says where).
+  // from col0, below the sequence's rows and head_dim, in 16 bits: transposed within quads so
+  // that each lane holds 8 adjacent columns of a block, written with 16-byte stores (the
+  // forward's register store, fa3_fwd_epilogue.h; head_dim and the strides are multiples of
+  // 8, flash_api.cpp). With 4-byte stores the store took 11% of head dim 128's backward at 1k
+  // tokens (H200). kPinTid: the thread index pinned (bwd_kernel says where).
   template <bool kPinTid, class Acc>
   static __device__ __forceinline__ void store_dkdv(const BwdParams& p, const SeqInfo& seq,
                                                     int head_k, int key0, int col0,
                                                     const Acc& acc_dk, const Acc& acc_dv) {
     int tid = threadIdx.x % 128;
     if constexpr (kPinTid) asm volatile("" : "+r"(tid));
+    const int quad = tid % 4;
     typename Tr::MmaKV mma_kv;
-    auto thr_kv = mma_kv.get_thread_slice(tid);
-    Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<_64, Int<Tr::kKVCols>>{}));
+    Tensor cKV = mma_kv.get_thread_slice(tid).partition_C(
+        make_identity_tensor(Shape<_64, Int<Tr::kKVCols>>{}));
+    Tensor cKV_rc = make_tensor(cKV.data(), rowcol(cKV.layout()));
+    Tensor dk_rc = make_tensor(acc_dk.data(), rowcol(acc_dk.layout()));
+    Tensor dv_rc = make_tensor(acc_dv.data(), rowcol(acc_dv.layout()));
+    static_assert(decltype(size<0>(dk_rc))::value == 2);  // a thread's rows r and r + 8
     using Raw = typename Tr::Raw;
-    Raw* dk = static_cast<Raw*>(p.dk) + seq.dk_offset(p, head_k);
-    Raw* dv = static_cast<Raw*>(p.dv) + seq.dv_offset(p, head_k);
+    Raw* dk = static_cast<Raw*>(p.dk) + seq.dk_offset(p, head_k) + col0 + 8 * quad;
+    Raw* dv = static_cast<Raw*>(p.dv) + seq.dv_offset(p, head_k) + col0 + 8 * quad;
     const int rows = seq.rows_k(p);  // read once: the stores may alias it for the compiler
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_dk); i += 2) {
-      const int key = key0 + get<0>(cKV(i)), c = col0 + get<1>(cKV(i));
-      if (key < rows && c < p.head_dim) {
-        store2(dk + int64_t(key) * p.dk_strides.row + c, acc_dk(i) * p.softmax_scale,
-               acc_dk(i + 1) * p.softmax_scale);
-        store2(dv + int64_t(key) * p.dv_strides.row + c, acc_dv(i), acc_dv(i + 1));
+    for (int mi = 0; mi < 2; ++mi) {
+      const int key = key0 + get<0>(cKV_rc(mi, 0));
+      CUTE_UNROLL
+      for (int g = 0; g < Tr::kKVCols / 32; ++g) {  // groups of four 8-column blocks
+        uint32_t wk[4], wv[4];  // [j]: this lane's column pair of block 4g + j
+        CUTE_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          wk[j] = pack2<Raw>(dk_rc(mi, 8 * g + 2 * j) * p.softmax_scale,
+                             dk_rc(mi, 8 * g + 2 * j + 1) * p.softmax_scale);
+          wv[j] = pack2<Raw>(dv_rc(mi, 8 * g + 2 * j), dv_rc(mi, 8 * g + 2 * j + 1));
+        }
+        quad_transpose(wk, quad);  // now [j]: lane j's column pair of block 4g + quad
+        quad_transpose(wv, quad);
+        if (key < rows && col0 + 32 * g + 8 * quad < p.head_dim) {
+          *reinterpret_cast<uint4*>(dk + int64_t(key) * p.dk_strides.row + 32 * g) =
+              make_uint4(wk[0], wk[1], wk[2], wk[3]);
+          *reinterpret_cast<uint4*>(dv + int64_t(key) * p.dv_strides.row + 32 * g) =
+              make_uint4(wv[0], wv[1], wv[2], wv[3]);
+        }
       }
     }
   }
