@@ -109,9 +109,9 @@ struct BwdEpilogue {
 
   // dK (times softmax_scale) and dV of a consumer's 64 keys from key0 and kKVCols columns
   // from col0, below the sequence's rows and head_dim, in 16 bits: transposed within quads so
-  // that each lane holds 8 adjacent columns of a block, written with 16-byte stores (the
-  // forward's register store, fa3_fwd_epilogue.h; head_dim and the strides are multiples of
-  // 8, flash_api.cpp). With 4-byte stores the store took 11% of head dim 128's backward at 1k
+  // that each lane holds 8 adjacent columns of a block (pack_quad_block), written with 16-byte
+  // stores, as the forward's register store writes O (head_dim and the strides are multiples
+  // of 8, flash_api.cpp). With 4-byte stores the store took 11% of head dim 128's backward at 1k
   // tokens (H200). kPinTid: the thread index pinned (bwd_kernel says where).
   template <bool kPinTid, class Acc>
   static __device__ __forceinline__ void store_dkdv(const BwdParams& p, const SeqInfo& seq,
@@ -136,15 +136,9 @@ struct BwdEpilogue {
       const int key = key0 + get<0>(cKV_rc(mi, 0));
       CUTE_UNROLL
       for (int g = 0; g < Tr::kKVCols / 32; ++g) {  // groups of four 8-column blocks
-        uint32_t wk[4], wv[4];  // [j]: this lane's column pair of block 4g + j
-        CUTE_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          wk[j] = pack2<Raw>(dk_rc(mi, 8 * g + 2 * j) * p.softmax_scale,
-                             dk_rc(mi, 8 * g + 2 * j + 1) * p.softmax_scale);
-          wv[j] = pack2<Raw>(dv_rc(mi, 8 * g + 2 * j), dv_rc(mi, 8 * g + 2 * j + 1));
-        }
-        quad_transpose(wk, quad);  // now [j]: lane j's column pair of block 4g + quad
-        quad_transpose(wv, quad);
+        uint32_t wk[4], wv[4];  // [j]: lane j's column pair of block 4g + quad
+        pack_quad_block<Raw>(wk, dk_rc, mi, g, quad, p.softmax_scale);
+        pack_quad_block<Raw>(wv, dv_rc, mi, g, quad);
         if (key < rows && col0 + 32 * g + 8 * quad < p.head_dim) {
           *reinterpret_cast<uint4*>(dk + int64_t(key) * p.dk_strides.row + 32 * g) =
               make_uint4(wk[0], wk[1], wk[2], wk[3]);

@@ -232,13 +232,7 @@ struct FwdEpilogue {
       const bool used = row < used_q;
       CUTE_UNROLL
       for (int g = 0; g < kHeadDim / 32; ++g) {  // groups of four 8-column blocks
-        uint32_t(&w)[4] = o_pack[mi][g];  // w[j]: this lane's column pair of block 4g + j
-        CUTE_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          w[j] = used ? pack2<Raw>(acc_o_rc(mi, 8 * g + 2 * j), acc_o_rc(mi, 8 * g + 2 * j + 1))
-                      : 0u;
-        }
-        quad_transpose(w, quad);  // now w[j]: lane j's column pair of block 4g + quad
+        pack_quad_block<Raw>(o_pack[mi][g], acc_o_rc, mi, g, quad, 1.f, used);
       }
       if (!used) lse[mi] = INFINITY;
       const bool in = row < rows_q;

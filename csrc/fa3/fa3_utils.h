@@ -9,6 +9,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "common/mma.cuh"
 #include "common/params.h"
 
 namespace flash::fa3 {
@@ -149,6 +150,23 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int quad) {
       (upper ? w[k] : w[k + bit]) = recv;
     }
   }
+}
+
+// Columns [32 g, 32 g + 32) of row mi of an accumulator seen as (row, col) (rowcol), times
+// `scale`, in 16 bits, ready for the register store of 16 bytes a lane (the forward's O, the
+// backward's dK / dV): w[j] is first this lane's column pair of 8-column block 4g + j, then,
+// transposed within the quad, lane j's pair of block 4g + quad, so that lane q holds the 8
+// adjacent columns of block 4g + q. Zeros where !keep (keep is the same across a quad).
+template <class Raw, class AccRowCol>
+__device__ __forceinline__ void pack_quad_block(uint32_t (&w)[4], const AccRowCol& acc, int mi,
+                                                int g, int quad, float scale = 1.f,
+                                                bool keep = true) {
+  CUTE_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    w[j] = keep ? pack2<Raw>(acc(mi, 8 * g + 2 * j) * scale, acc(mi, 8 * g + 2 * j + 1) * scale)
+                : 0u;
+  }
+  quad_transpose(w, quad);
 }
 
 // Four 8 x 8 matrices of 16-bit pairs from an accumulator fragment into shared memory
