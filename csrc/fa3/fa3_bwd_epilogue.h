@@ -81,7 +81,7 @@ struct BwdEpilogue {
     for (int taken = 0;; ++taken) {
       using Items = BwdItems<Tr, kPersistent>;
       const int item = Items::take(shared, taken);
-      Items::release(shared);  // the writer reads nothing else of the slot or K / V
+      Items::release(shared, taken);  // the writer reads nothing else of the slot or K / V
       if (item < 0) break;
       const BwdWork<Tr> w(p, item);
       if (w.steps.count() == 0) continue;

@@ -57,25 +57,30 @@ struct BwdWork {
 
 // The handoff. Items are 32-bit (fa3_plan.h: plan_error). kPersistent: a CTA takes items
 // until none is left (bwd_persistent); otherwise it runs item blockIdx.x alone and nothing is
-// published.
+// published. The n-th item published (and taken) goes through slot n % kKVSlots, with its K
+// and V in that slot's buffers, in that slot's barrier phase (n / kKVSlots) & 1.
 template <class Tr, bool kPersistent>
 struct BwdItems {
   using Shared = typename Tr::SharedStorage;
+  static constexpr int kSlots = Tr::kKVSlots;
+  __device__ static int slot(int n) { return n % kSlots; }
+  __device__ static int phase(int n) { return (n / kSlots) & 1; }
   // The persistent producer's item after its first (blockIdx.x); s.items: none left.
   static __device__ __forceinline__ int next(const BwdScratch& s) {
     if (int(gridDim.x) >= s.items) return s.items;
     return int(atomicAdd(s.next_item, 1u)) + int(gridDim.x);
   }
-  // The producer's published-th item (-1: none left) into the slot, once every taker has
-  // released the one before; the caller then completes kv_full's phase (K and V's bytes, or
-  // an arrive).
+  // The producer's published-th item (-1: none left) into its slot, once every taker has
+  // released the slot's item before; the caller then completes the slot's kv_full phase (K
+  // and V's bytes, or an arrive).
   static __device__ __forceinline__ void publish(Shared& shared, int published, int item) {
     if constexpr (kPersistent) {
-      if (published > 0) {
-        cutlass::arch::ClusterBarrier::wait(&shared.kv_empty, (published - 1) & 1);
+      const int k = slot(published);
+      if (published >= kSlots) {
+        cutlass::arch::ClusterBarrier::wait(&shared.kv_empty[k], phase(published - kSlots));
       }
       compiler_fence();  // the wait (asm without a memory clobber) before the write
-      shared.item = item;
+      shared.item[k] = item;
       compiler_fence();  // the write before the caller's completion of kv_full (no clobber)
     }
   }
@@ -86,22 +91,22 @@ struct BwdItems {
   // A CTA of one item waits for its K and V where it first reads them (BwdMainloop::wait_kv).
   static __device__ __forceinline__ int take(Shared& shared, int taken) {
     if constexpr (!kPersistent) return taken == 0 ? int(blockIdx.x) : -1;
-    cutlass::arch::ClusterBarrier::wait(&shared.kv_full, taken & 1);
+    cutlass::arch::ClusterBarrier::wait(&shared.kv_full[slot(taken)], phase(taken));
     compiler_fence();
-    return __shfl_sync(0xffffffffu, shared.item, 0);
+    return __shfl_sync(0xffffffffu, shared.item[slot(taken)], 0);
   }
-  // The item taken last, read again (in a persistent CTA: not kept in registers through its
+  // The taken-th item, read again (in a persistent CTA: not kept in registers through its
   // steps, where its coordinates were spilled).
-  static __device__ __forceinline__ int current(Shared& shared, int item) {
+  static __device__ __forceinline__ int current(Shared& shared, int taken, int item) {
     if constexpr (!kPersistent) return item;
     compiler_fence();
-    return __shfl_sync(0xffffffffu, shared.item, 0);
+    return __shfl_sync(0xffffffffu, shared.item[slot(taken)], 0);
   }
-  // The slot read, and K and V by the consumers: the next item's may come in.
-  static __device__ __forceinline__ void release(Shared& shared) {
+  // The taken-th item's slot read, and its K and V by the consumers: a next item may come in.
+  static __device__ __forceinline__ void release(Shared& shared, int taken) {
     if constexpr (kPersistent) {
       compiler_fence();
-      cutlass::arch::ClusterBarrier::arrive(&shared.kv_empty);
+      cutlass::arch::ClusterBarrier::arrive(&shared.kv_empty[slot(taken)]);
     }
   }
 };

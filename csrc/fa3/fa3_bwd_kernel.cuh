@@ -82,8 +82,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   PipelineQ pipe_q(shared.pipe_q, bwd_pipe_params<Tr, PipelineQ>(wg), Shape<_1, _1, _1>{});
   PipelinedO pipe_do(shared.pipe_do, bwd_pipe_params<Tr, PipelinedO>(wg), Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {
-    cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full, 1);
-    cutlass::arch::ClusterBarrier::init(&shared.kv_empty, 256 + 32);  // consumers, dQ writer
+    for (int k = 0; k < Tr::kKVSlots; ++k) {
+      cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full[k], 1);
+      cutlass::arch::ClusterBarrier::init(&shared.kv_empty[k], 256 + 32);  // consumers, writer
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -101,16 +103,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     #pragma unroll 1
     for (int published = 0;; ++published) {
       Items::publish(shared, published, item < s.items ? item : -1);
+      uint64_t* const kv_full = &shared.kv_full[Items::slot(published)];
       if (item >= s.items) {  // persistent only: a CTA an item has blockIdx.x < items
-        cutlass::arch::ClusterBarrier::arrive(&shared.kv_full);
+        cutlass::arch::ClusterBarrier::arrive(kv_full);
         break;
       }
       const BwdWork<Tr> w(p, item);
       if (w.steps.count() == 0) {
-        cutlass::arch::ClusterBarrier::arrive(&shared.kv_full);  // dK = dV = 0, no loads
+        cutlass::arch::ClusterBarrier::arrive(kv_full);  // dK = dV = 0, no loads
       } else {
-        BwdMainloop<Tr>::load(p, tma, s, shared, pipe_q, pipe_do, state_q, state_do, w.seq,
-                              w.steps, w.it.n_block, w.it.head_k, w.it.batch);
+        BwdMainloop<Tr>::load(p, tma, s, shared, Items::slot(published), pipe_q, pipe_do,
+                              state_q, state_do, w.seq, w.steps, w.it.n_block, w.it.head_k,
+                              w.it.batch);
       }
       // A CTA of one item publishes no end: an arrive now would land in the item's own
       // phase of kv_full, before its bytes.
@@ -148,19 +152,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     clear(acc_dv);
     if constexpr (Tr::kWide) {  // all keys of the tile, head-dim half cw
       BwdWideConsumer<Tr>::template mma<kScoreMod>(p, shared, pipe_q, pipe_do, state_q,
-                                                   state_do, taken & 1, w.seq, w.mask, w.steps,
-                                                   w.it.n_block, w.it.head_k, cw, acc_dk,
-                                                   acc_dv);
+                                                   state_do, Items::phase(taken), w.seq,
+                                                   w.mask, w.steps, w.it.n_block, w.it.head_k,
+                                                   cw, acc_dk, acc_dv);
     } else {  // keys [64 cw, 64 cw + 64) of the tile, all the head dim
       BwdMainloop<Tr>::template mma<kScoreMod, kVRegs>(p, shared, pipe_q, pipe_do, state_q,
-                                                       buf, taken & 1, w.seq, w.mask, w.steps,
-                                                       w.it.n_block, w.it.head_k, cw, acc_dk,
-                                                       acc_dv);
+                                                       buf, Items::slot(taken),
+                                                       Items::phase(taken), w.seq, w.mask,
+                                                       w.steps, w.it.n_block, w.it.head_k, cw,
+                                                       acc_dk, acc_dv);
     }
     // The item again for the stores: kept through the steps, its coordinates spilled.
-    const BwdItem<Tr> done(p, Items::current(shared, item));
+    const BwdItem<Tr> done(p, Items::current(shared, taken, item));
     const flash::SeqInfo done_seq(p, done.batch);
-    Items::release(shared);  // K and V read: the next item's may come in
+    Items::release(shared, taken);  // K and V read: a next item's may come in
     const int key0 = done.n_block * kBlockN + (Tr::kWide ? 0 : 64 * cw);
     const int col0 = Tr::kWide ? kKVCols * cw : 0;
     BwdEpilogue<Tr>::template store_dkdv<kPinTid>(p, done_seq, done.head_k, key0, col0,

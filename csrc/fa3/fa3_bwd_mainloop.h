@@ -43,18 +43,18 @@ struct BwdMainloop {
   using PipelinedO = typename Tr::PipelinedO;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
 
-  // The producer thread, for one item with steps: K and V of key tile n_block (completing
-  // kv_full's phase), then the steps' tiles, the pipelines' states going on from the CTA's
-  // previous item.
+  // The producer thread, for one item with steps: K and V of key tile n_block into item slot
+  // `slot` (completing its kv_full phase), then the steps' tiles, the pipelines' states going
+  // on from the CTA's previous item.
   template <class Tma, class StateQ, class StatedO>
   static __device__ __forceinline__ void load(const BwdParams& p, const Tma& tma,
                                               const BwdScratch& s,
-                                              typename Tr::SharedStorage& shared,
+                                              typename Tr::SharedStorage& shared, int slot,
                                               PipelineQ& pipe_q, PipelinedO& pipe_do,
                                               StateQ& state_q, StatedO& state_do,
                                               const SeqInfo& seq, const BwdSteps<Tr>& steps,
                                               int n_block, int head_k, int batch) {
-    const typename Tr::Tiles t(shared);
+    const typename Tr::Tiles t(shared, slot);
     const int64_t rows_q = s.rows_pad;
     const int batches = SeqInfo::view_batch(p), batches_k = SeqInfo::view_batch_k(p);
     Tensor mQ = tma.q.get_tma_tensor(
@@ -73,10 +73,10 @@ struct BwdMainloop {
                                     group_modes<0, 2>(gK));
     auto [tVg, tVs] = tma_partition(tma.v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(t.v),
                                     group_modes<0, 2>(gV));
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&shared.kv_full,
-                                                                   2 * Tr::kTmaBytesKV);
-    copy(tma.k.with(shared.kv_full), tKg, tKs);
-    copy(tma.v.with(shared.kv_full), tVg, tVs);
+    uint64_t* const kv_full = &shared.kv_full[slot];
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(kv_full, 2 * Tr::kTmaBytesKV);
+    copy(tma.k.with(*kv_full), tKg, tKs);
+    copy(tma.v.with(*kv_full), tVg, tVs);
     #pragma unroll 1
     for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
       const int head = head_k * steps.heads_per_kv + hq;
@@ -149,13 +149,15 @@ struct BwdMainloop {
     }
   }
 
-  // The consumers' wait for the item's K and V (phase: the CTA's items before it). Dense
+  // The consumers' wait for the item's K and V in slot `slot` (phase: the slot's items before
+  // it, BwdItems). Dense
   // tiles read zeros past the sequence (TMA fills rows out of bounds); variable-length ones
   // read other rows, which the consumers zero in shared memory.
   static __device__ __forceinline__ void wait_kv(typename Tr::SharedStorage& shared,
-                                                 const typename Tr::Tiles& t, int phase,
-                                                 bool varlen, int n_block, int seqlen_k) {
-    cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full, phase);
+                                                 const typename Tr::Tiles& t, int slot,
+                                                 int phase, bool varlen, int n_block,
+                                                 int seqlen_k) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&shared.kv_full[slot], phase);
     if (varlen && (n_block + 1) * kBlockN > seqlen_k) {
       const int tid = threadIdx.x - 128;
       zero_tail_rows(t.k, seqlen_k - n_block * kBlockN, tid);
@@ -200,19 +202,19 @@ struct BwdMainloop {
   // Consumer cw (keys [64 cw, 64 cw + 64) of the tile): the steps (if any), summing dK and
   // dV into acc_dk / acc_dv and handing each step's dQ tile to the dQ writer in staging
   // buffer buf, 1 - buf, ... The pipelines' state and buf go on from the CTA's previous item;
-  // kv_phase: kv_full's phase of this item. kVRegs: dP^T's V from registers (Tr::kVRegs).
+  // slot, kv_phase: the item's K / V slot and its kv_full phase (BwdItems). kVRegs: dP^T's V from registers (Tr::kVRegs).
   // The wait for K and V comes after the steps' setup: waited for before it (when the item
   // is taken), the setup's descriptors left uniform registers and spilled in the steps.
   template <bool kScoreMod, bool kVRegs, class State, class Acc>
   static __device__ __forceinline__ void mma(const BwdParams& p, typename Tr::SharedStorage& shared,
                                              PipelineQ& pipe_q, PipelinedO& pipe_do,
-                                             State& state, int& buf, int kv_phase,
+                                             State& state, int& buf, int slot, int kv_phase,
                                              const SeqInfo& seq,
                                              const Mask& mask, const BwdSteps<Tr>& steps,
                                              int n_block, int head_k, int cw, Acc& acc_dk,
                                              Acc& acc_dv) {
     const int seqlen_q = mask.seqlen_q, seqlen_k = mask.seqlen_k;
-    const typename Tr::Tiles t(shared);
+    const typename Tr::Tiles t(shared, slot);
     const int wg_tid = threadIdx.x % 128;
     static_assert(!kVRegs || Tr::kVRegs);
     typename Tr::MmaSt mma_st;
@@ -248,7 +250,7 @@ struct BwdMainloop {
     const bool varlen = p.cu_seqlens_q != nullptr;
 
     if (steps.count() == 0) return;  // dK = dV = 0
-    wait_kv(shared, t, kv_phase, varlen, n_block, seqlen_k);
+    wait_kv(shared, t, slot, kv_phase, varlen, n_block, seqlen_k);
     if constexpr (kVRegs) {  // V into registers, once
       auto s2r = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_dp);
       auto s2r_thr = s2r.get_thread_slice(wg_tid);

@@ -37,6 +37,10 @@ struct BwdTraits {
   // dO has one stage at 256: two would not fit beside dQ's 64 KB staging.
   static constexpr int kStagesQ = 2, kStagesdO = kHeadDim > 192 ? 1 : 2;
   static constexpr int kdQBuffers = kWide ? 1 : 2;  // dQ staging buffers
+  // K / V buffers (item slots): with two, a persistent CTA's next item's K and V (and its
+  // first Q / dO) load during this item's last steps, not after them; the shared memory has
+  // room up to head dim 96.
+  static constexpr int kKVSlots = !kWide && kHeadDim <= 96 ? 2 : 1;
   static constexpr int kConsumers = 2;              // warpgroups
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240
@@ -121,8 +125,8 @@ struct BwdTraits {
   using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
   using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;
   struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> k;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemKV>> v;
+    alignas(1024) cute::array_aligned<Element, kKVSlots * cosize_v<SmemKV>> k;
+    alignas(1024) cute::array_aligned<Element, kKVSlots * cosize_v<SmemKV>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemdO>> dout;
     alignas(1024) char scratch[kScratchBytes];
@@ -130,11 +134,11 @@ struct BwdTraits {
     alignas(16) float dsum[kStagesdO][kBlockM];  // D = rowsum(dO o O), with dO's stage
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelinedO::SharedStorage pipe_do;
-    // The CTA's current item (fa3_bwd_kernel.cuh), published with its K and V (kv_full) and
-    // released, with them, by the consumers and the dQ writer (kv_empty).
-    alignas(8) uint64_t kv_full;
-    alignas(8) uint64_t kv_empty;
-    int item;
+    // The CTA's items in flight (fa3_bwd_items.h), a slot each, published with their K and V
+    // (kv_full) and released, with them, by the consumers and the dQ writer (kv_empty).
+    alignas(8) uint64_t kv_full[kKVSlots];
+    alignas(8) uint64_t kv_empty[kKVSlots];
+    int item[kKVSlots];
 
     __device__ Element* ds() { return reinterpret_cast<Element*>(scratch); }
     // The wide tile's only: in the narrow one this is dQ staging buffer 0.
@@ -155,10 +159,11 @@ struct BwdTraits {
     SmemView<SmemdOt> doutt;
     SmemView<SmemdSt> dst, pt;  // dS^T, P^T (wide)
     SmemView<SmemdS> ds;        // dS^T's memory as dS
-    __device__ explicit Tiles(SharedStorage& s)
-        : k(make_tensor(make_smem_ptr(s.k.data()), SmemKV{})),
-          v(make_tensor(make_smem_ptr(s.v.data()), SmemKV{})),
-          kt(make_tensor(make_smem_ptr(s.k.data()), SmemKt{})),
+    // slot: the item's K / V buffer (kKVSlots).
+    __device__ Tiles(SharedStorage& s, int slot)
+        : k(make_tensor(make_smem_ptr(s.k.data() + slot * cosize_v<SmemKV>), SmemKV{})),
+          v(make_tensor(make_smem_ptr(s.v.data() + slot * cosize_v<SmemKV>), SmemKV{})),
+          kt(make_tensor(make_smem_ptr(s.k.data() + slot * cosize_v<SmemKV>), SmemKt{})),
           q(make_tensor(make_smem_ptr(s.q.data()), SmemQ{})),
           qt(make_tensor(make_smem_ptr(s.q.data()), SmemQt{})),
           dout(make_tensor(make_smem_ptr(s.dout.data()), SmemdO{})),

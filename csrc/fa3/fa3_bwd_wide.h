@@ -44,7 +44,8 @@ struct BwdWideConsumer {
                                              const Mask& mask, const BwdSteps<Tr>& steps,
                                              int n_block, int head_k, int cw, Acc& acc_dk,
                                              Acc& acc_dv) {
-    const typename Tr::Tiles t(shared);
+    static_assert(Tr::kKVSlots == 1);
+    const typename Tr::Tiles t(shared, 0);
     const int wg_tid = threadIdx.x % 128;
     typename Tr::MmaSt mma_st;
     typename Tr::MmaKV mma_kv;
@@ -91,7 +92,7 @@ struct BwdWideConsumer {
     const bool varlen = p.cu_seqlens_q != nullptr;
 
     if (steps.count() == 0) return;  // dK = dV = 0
-    Mainloop::wait_kv(shared, t, kv_phase, varlen, n_block, mask.seqlen_k);
+    Mainloop::wait_kv(shared, t, 0, kv_phase, varlen, n_block, mask.seqlen_k);
     #pragma unroll 1
     for (int hq = 0; hq < steps.heads_per_kv; ++hq) {
       const int head = head_k * steps.heads_per_kv + hq;
