@@ -37,13 +37,10 @@ __device__ __forceinline__ void dq_turn_pass(int* counter) {
 
 // The dQ writer's add of the staged tile at `offset` floats (query tile m_tile of its (batch,
 // head)) into the accumulator: tile t = offset / (kBlockM kHeadDim) of the scratch's 64-row
-// tiles, in copy n_block % dq_copies, whose turn counter is that copy's dq_turns[t]. Returns
-// once the staging buffer may be reused. Deterministic mode: in turn, and complete before the
-// turn passes on. With two staging buffers (kdQBuffers) the add completes here and the turn
-// passes at once: the turns are the chain that waits. With the wide tile's one buffer the add
-// returns once it has read the tile and hands back the counter, whose turn the caller passes
-// after freeing the buffer (dq_turn_pass): a whole add a step held the consumers' staging
-// (deterministic +6..+18% at head dims 192 / 256; at 64-128 the same order cost 2-12%).
+// tiles, in copy n_block % dq_copies, whose turn counter is that copy's dq_turns[t].
+// Deterministic mode waits for its turn first. Returns once the add is issued, with the turn
+// counter (nullptr in default mode), whose turn the caller passes once the add is complete
+// (dq_turn_pass).
 template <class Tr>
 __device__ __forceinline__ int* add_dq_tile(const BwdParams& p, const BwdScratch& s,
                                             int n_block, const Mask& mask, int m_tile,
@@ -57,17 +54,7 @@ __device__ __forceinline__ int* add_dq_tile(const BwdParams& p, const BwdScratch
     dq_turn_wait(turns, (last - n_block) / s.dq_copies);
   }
   bulk_reduce_add(s.dq + dq_copy * s.dq_copy_stride + offset, tile, Tr::kdQBytes);
-  if constexpr (Tr::kdQBuffers == 1) {
-    bulk_wait_read();
-    return turns;
-  } else {
-    if (turns != nullptr) {
-      dq_turn_pass(turns);
-    } else {
-      bulk_wait_read();
-    }
-    return nullptr;
-  }
+  return turns;
 }
 
 template <class Tr>
@@ -104,15 +91,25 @@ struct BwdEpilogue {
         #pragma unroll 1
         for (int m = w.steps.m_begin; m < w.steps.m_end; ++m) {
           cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + b);
+          // The buffer is free once the add has read it. A deterministic add's turn passes
+          // once it is complete: with two buffers before the free (the turns are the chain
+          // that waits: after it cost 2-12% at head dims 64-128), with the wide tile's one
+          // after it (held through the whole add, it kept the consumers' next staging waiting:
+          // +6..+18% at 192 / 256).
           int* turns = nullptr;
           if (leader) {
             turns = add_dq_tile<Tr>(p, s, w.it.n_block, w.mask, m,
                                     (head_row + m * kBlockM) * kHeadDim, shared.dq(b));
+            if (kBuffers == 2 && turns != nullptr) {
+              dq_turn_pass(turns);
+            } else {
+              bulk_wait_read();
+            }
           }
           __syncwarp();
           cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads,
                                               uint32_t(BwdBarrier::dQEmpty) + b);
-          if constexpr (kBuffers == 1) {  // deterministic: the turn after the free
+          if constexpr (kBuffers == 1) {
             if (turns != nullptr) dq_turn_pass(turns);
             __syncwarp();  // converged at the next named barrier (bar.sync is .aligned)
           }

@@ -150,9 +150,8 @@ struct BwdMainloop {
   }
 
   // The consumers' wait for the item's K and V in slot `slot` (phase: the slot's items before
-  // it, BwdItems). Dense
-  // tiles read zeros past the sequence (TMA fills rows out of bounds); variable-length ones
-  // read other rows, which the consumers zero in shared memory.
+  // it, BwdItems). Dense tiles read zeros past the sequence (TMA fills rows out of bounds);
+  // variable-length ones read other rows, which the consumers zero in shared memory.
   static __device__ __forceinline__ void wait_kv(typename Tr::SharedStorage& shared,
                                                  const typename Tr::Tiles& t, int slot,
                                                  int phase, bool varlen, int n_block,
@@ -202,7 +201,8 @@ struct BwdMainloop {
   // Consumer cw (keys [64 cw, 64 cw + 64) of the tile): the steps (if any), summing dK and
   // dV into acc_dk / acc_dv and handing each step's dQ tile to the dQ writer in staging
   // buffer buf, 1 - buf, ... The pipelines' state and buf go on from the CTA's previous item;
-  // slot, kv_phase: the item's K / V slot and its kv_full phase (BwdItems). kVRegs: dP^T's V from registers (Tr::kVRegs).
+  // slot, kv_phase: the item's K / V slot and its kv_full phase (BwdItems). kVRegs: dP^T's V
+  // from registers (Tr::kVRegs).
   // The wait for K and V comes after the steps' setup: waited for before it (when the item
   // is taken), the setup's descriptors left uniform registers and spilled in the steps.
   template <bool kScoreMod, bool kVRegs, class State, class Acc>
