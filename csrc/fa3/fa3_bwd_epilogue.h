@@ -38,9 +38,9 @@ __device__ __forceinline__ void dq_turn_pass(int* counter) {
 // The dQ writer's add of the staged tile at `offset` floats (query tile m_tile of its (batch,
 // head)) into the accumulator: tile t = offset / (kBlockM kHeadDim) of the scratch's 64-row
 // tiles, in copy n_block % dq_copies, whose turn counter is that copy's dq_turns[t].
-// Deterministic mode waits for its turn first. Returns once the add is issued, with the turn
-// counter (nullptr in default mode), whose turn the caller passes once the add is complete
-// (dq_turn_pass).
+// Deterministic mode waits for its turn first, and the first turn stores, over an accumulator
+// that no memset zeroed. Returns once the add is issued, with the turn counter (nullptr in
+// default mode), whose turn the caller passes once the add is complete (dq_turn_pass).
 template <class Tr>
 __device__ __forceinline__ int* add_dq_tile(const BwdParams& p, const BwdScratch& s,
                                             int n_block, const Mask& mask, int m_tile,
@@ -48,12 +48,19 @@ __device__ __forceinline__ int* add_dq_tile(const BwdParams& p, const BwdScratch
   constexpr int kTile = Tr::kBlockM * Tr::kHeadDim;
   const int dq_copy = n_block % s.dq_copies;
   int* turns = nullptr;
+  int turn = -1;
   if (s.dq_turns != nullptr) {
     turns = s.dq_turns + dq_copy * (s.dq_copy_stride / kTile) + offset / kTile;
     const int last = last_key_tile_of<Tr::kBlockM, Tr::kBlockN>(mask, m_tile, n_block);
-    dq_turn_wait(turns, (last - n_block) / s.dq_copies);
+    turn = (last - n_block) / s.dq_copies;
+    dq_turn_wait(turns, turn);
   }
-  bulk_reduce_add(s.dq + dq_copy * s.dq_copy_stride + offset, tile, Tr::kdQBytes);
+  float* const dst = s.dq + dq_copy * s.dq_copy_stride + offset;
+  if (turn == 0) {
+    bulk_store(dst, tile, Tr::kdQBytes);
+  } else {
+    bulk_reduce_add(dst, tile, Tr::kdQBytes);
+  }
   return turns;
 }
 

@@ -4,9 +4,10 @@
 //   dsum   D = rowsum(dO o O); 0 past the sequence
 //   dq     the dQ accumulator (fp32, unscaled), zeroed by a memset, added to by every key
 //          tile; dq_copies of them in some deterministic calls, summed in order at the
-//          conversion
+//          conversion. Deterministic mode zeroes none: a tile's first key tile stores, and
+//          the conversion reads only the tiles some key tile wrote (their counter past 0)
 //   next_item  the main kernel's item counter (fa3_bwd_kernel.cuh), zeroed with the dq
-//          accumulators
+//          accumulators (the persistent kernel's: deterministic calls take one item a CTA)
 //   dq_turns  deterministic mode only: a counter per 64-row tile and copy (fa3_bwd_kernel.cuh),
 //          zeroed by a memset
 // and the conversion of the accumulator into dq (times softmax_scale, in the output dtype).
@@ -141,13 +142,18 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     auto part = [&](int c, int i) {
       return src + c * s.dq_copy_stride / 4 + Tr::dq_slot(cw + 2 * i) * kVecs * 128 + tid;
     };
+    // Deterministic mode: copy c's tile holds something once its turn counter is past 0.
+    const int* turns = s.dq_turns == nullptr ? nullptr : s.dq_turns + tile;
+    auto written = [&](int c) { return turns == nullptr || turns[c * tiles] > 0; };
     float4 v[kParts][kVecs];
+    const bool first = written(0);
     CUTE_UNROLL
     for (int i = 0; i < kParts; ++i) {
       CUTE_UNROLL
-      for (int j = 0; j < kVecs; ++j) v[i][j] = part(0, i)[j * 128];
+      for (int j = 0; j < kVecs; ++j) v[i][j] = first ? part(0, i)[j * 128] : float4{};
     }
     for (int c = 1; c < s.dq_copies; ++c) {  // in order: deterministic
+      if (!written(c)) continue;
       CUTE_UNROLL
       for (int i = 0; i < kParts; ++i) {
         CUTE_UNROLL

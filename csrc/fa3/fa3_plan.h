@@ -276,8 +276,10 @@ constexpr bool bwd_persistent(int kernel_hdim) { return kernel_hdim != 192; }
 constexpr int kBwdCounterBytes = 16;
 
 // Deterministic calls whose key tiles all walk the same query tiles (no right bound on the
-// keys a row sees) add into this many dQ accumulators, summed in order at the conversion: the
-// chain of turns a dQ tile waits through is a quarter as long (fa3_bwd_kernel.cuh).
+// keys a row sees) add into up to this many dQ accumulators, summed in order at the
+// conversion: the chain of turns a dQ tile waits through is a quarter as long
+// (fa3_bwd_kernel.cuh). One copy per four key tiles, no more: each copy costs the conversion a
+// read of the whole accumulator, which outweighs chains shorter than four (docs/fa3_decisions.md).
 constexpr int kBwdDqCopies = 4;
 
 inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
@@ -286,7 +288,7 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {})
   const int64_t key_tiles = ceil_div(p.seqlen_k, bwd_block_n(kernel_hdim));
   BwdPlan plan;
   if (p.deterministic && !p.causal && p.window_right < 0) {
-    plan.dq_copies = int(std::clamp<int64_t>(key_tiles, 1, kBwdDqCopies));
+    plan.dq_copies = int(std::clamp<int64_t>(key_tiles / 4, 1, kBwdDqCopies));
   }
   const int64_t turns = p.deterministic ? plan.dq_copies * rows / kBwdRowPad : 0;
   plan.workspace_bytes =

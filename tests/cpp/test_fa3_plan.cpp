@@ -171,8 +171,8 @@ int main() {
     CHECK(many128.persistent && many128.ctas == 132);
     CHECK(!plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 192).persistent);
     const BwdPlan full = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 128);
-    CHECK(full.dq_copies == 4);
-    CHECK(full.workspace_bytes == rows * (4 * 128 + 2) * 4 + 16 + 4 * rows / 64 * 4);
+    CHECK(full.dq_copies == 3);  // 12 key tiles: chains of 4
+    CHECK(full.workspace_bytes == rows * (3 * 128 + 2) * 4 + 16 + 3 * rows / 64 * 4);
     const BwdPlan ordered = plan_bwd(bwd(call(16, 1024, 1024, 16, 16), true), 64);
     CHECK(!ordered.persistent && ordered.ctas == many.items);
     const BwdPlan masked = plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), true), 64);
@@ -184,11 +184,12 @@ int main() {
     CHECK(!plan_error(plan_bwd(bwd(call(1 << 16, 64, 96 * 64, 256, 256), false), 192)));
     FwdParams left = call(2, 1000, 1500, 6, 2);
     left.window_left = 200;
-    CHECK(plan_bwd(bwd(left, true), 128).dq_copies == 4);
+    CHECK(plan_bwd(bwd(left, true), 128).dq_copies == 3);
     FwdParams right = left;
     right.window_right = 40;
     CHECK(plan_bwd(bwd(right, true), 128).dq_copies == 1);
-    CHECK(plan_bwd(bwd(call(1, 64, 200, 2, 2), true), 128).dq_copies == 2);  // two key tiles
+    CHECK(plan_bwd(bwd(call(1, 64, 200, 2, 2), true), 128).dq_copies == 1);  // two key tiles
+    CHECK(plan_bwd(bwd(call(1, 64, 4096, 2, 2), true), 128).dq_copies == 4);  // 32 key tiles
   }
   return check_status("fa3 plan");
 }
