@@ -58,18 +58,16 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   }
   const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
-  // The accumulator and the item counter (contiguous), or in deterministic mode the turn
-  // counters alone (fa3_bwd_prep.cuh: the first add of a tile stores): a memset writes at the
-  // memory's rate, which the preprocess's stores, interleaved with its loads, did not reach.
+  // The accumulator and the item counter (contiguous), or in deterministic mode (a CTA an
+  // item, no counter) the turn counters alone (fa3_bwd_prep.cuh: the first add of a tile
+  // stores): a memset writes at the memory's rate, which the preprocess's stores, interleaved
+  // with its loads, did not reach.
   if (s.dq_turns == nullptr) {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
         s.dq, 0, size_t(s.dq_copy_stride) * s.dq_copies * 4 + kBwdCounterBytes, stream));
   } else {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
         s.dq_turns, 0, size_t(rows / kBwdRowPad) * s.dq_copies * sizeof(int), stream));
-    if (plan.persistent) {  // the item counter (deterministic calls are not persistent today)
-      FLASH_CHECK_CUDA(cudaMemsetAsync(s.next_item, 0, kBwdCounterBytes, stream));
-    }
   }
   constexpr int kRowsPerStep = kBwdPrepThreads / bwd_prep_lanes<kHeadDim>();
   const int64_t prep_blocks = std::min<int64_t>((rows + kRowsPerStep - 1) / kRowsPerStep,
