@@ -338,30 +338,36 @@ def test_backward_agrees_with_fa2(b, sq, sk, h, hk, d, mods, causal, dtype):
                               mods.get("softcap", 0.0))
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-def test_backward_more_items_than_sms(d, causal, dtype):
+def test_backward_more_items_than_sms(d, causal, dtype, deterministic):
     """More (key tile, KV head, batch) items than twice the SMs: where bwd_persistent says so
     (fa3_plan.h) a CTA an SM takes them in turn, the next item's K / V loading while this one's
-    dK / dV go out; elsewhere a CTA takes one. Against fa2's backward as above; GQA 2, keys
-    that end inside a tile."""
+    dK / dV go out (deterministic calls at 256 too, fa3_plan.h: bwd_persistent_deterministic;
+    their turns then come from items that CTAs took earlier); elsewhere a CTA takes one. Against fa2's backward as above; GQA 2, keys that end
+    inside a tile."""
     skip_unless_built(dtype, d)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sk, h, hk = 1999, 6, 3  # 16 key tiles (32 at head dims 192 and 256)
-    _backward_agrees_with_fa2(2 * sms // (16 * hk) + 1, 300, sk, h, hk, d, dtype, causal)
+    _backward_agrees_with_fa2(2 * sms // (16 * hk) + 1, 300, sk, h, hk, d, dtype, causal,
+                              deterministic=deterministic)
 
 
-def _backward_agrees_with_fa2(b, sq, sk, h, hk, d, dtype, causal, window=None, softcap=0.0):
+def _backward_agrees_with_fa2(b, sq, sk, h, hk, d, dtype, causal, window=None, softcap=0.0,
+                              deterministic=False):
     """fa3's and fa2's backward of an fa3 forward, on the same inputs, O and LSE: dq, dk, dv
-    within 2 x PyTorch's error (+ ulp) of each other. window: (left, right), right 0 if causal."""
+    within 2 x PyTorch's error (+ ulp) of each other. window: (left, right), right 0 if causal;
+    deterministic: fa3's (fa2's runs its default)."""
     q, k, v = qkv(b, sq, sk, h, hk, d, dtype)
     dout = randn(b, sq, h, d, dtype=dtype)
     left, right = window if window is not None else (-1, -1)
     right = 0 if causal else right
     args = (d ** -0.5, causal, left, right, softcap, None, 0.0, False)
     out, lse, rng = _ops.run_fwd(q, k, v, *args, "fa3")
-    grads = {family: _ops.run_bwd(dout, q, k, v, out, lse, rng, *args[:-1], False, family)
+    grads = {family: _ops.run_bwd(dout, q, k, v, out, lse, rng, *args[:-1],
+                                  deterministic and family == "fa3", family)
              for family in ("fa3", "fa2")}
     spec = dict(causal=causal, softcap=softcap)
     if window is not None:
@@ -372,6 +378,10 @@ def _backward_agrees_with_fa2(b, sq, sk, h, hk, d, dtype, causal, window=None, s
     for i, name in enumerate(("dq", "dk", "dv")):
         assert_agree(name, grads["fa3"][i], grads["fa2"][i], truth.grads[i], lowp.grads[i],
                      dtype)
+    if deterministic:  # and the same bits again (CTAs of several items: the turns' order)
+        again = _ops.run_bwd(dout, q, k, v, out, lse, rng, *args[:-1], True, "fa3")
+        for name, g, g0 in zip(("dq", "dk", "dv"), again, grads["fa3"]):
+            assert torch.equal(g, g0), f"{name} differs bitwise between deterministic runs"
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])

@@ -36,7 +36,7 @@ __device__ __forceinline__ void dq_turn_pass(int* counter) {
 }
 
 // The dQ writer's add of the staged tile at `offset` floats (query tile m_tile of its (batch,
-// head)) into the accumulator: tile t = offset / (kBlockM kHeadDim) of the scratch's 64-row
+// head)) into the accumulator: tile t = offset / (kBlockM kHeadDim) of the scratch's kBlockM-row
 // tiles, in copy n_block % dq_copies, whose turn counter is that copy's dq_turns[t].
 // Deterministic mode waits for its turn first, and the first turn stores, over an accumulator
 // that no memset zeroed. Returns once the add is issued, with the turn counter (nullptr in

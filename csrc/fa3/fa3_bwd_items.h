@@ -65,8 +65,20 @@ struct BwdItems {
   static constexpr int kSlots = Tr::kKVSlots;
   __device__ static int slot(int n) { return n % kSlots; }
   __device__ static int phase(int n) { return (n / kSlots) & 1; }
-  // The persistent producer's item after its first (blockIdx.x); s.items: none left.
-  static __device__ __forceinline__ int next(const BwdScratch& s) {
+  // A deterministic call in a persistent kernel (bwd_persistent_deterministic) takes every item
+  // from the counter, its first too, so that only a running CTA holds an item: an item's turns
+  // wait for the items before it, and one held by a CTA that other work keeps off the SMs would
+  // stall every item after it.
+  static __device__ __forceinline__ bool counted(const BwdParams& p) {
+    return kPersistent && bwd_persistent_deterministic(Tr::kHeadDim) && p.deterministic;
+  }
+  // The producer's first item: blockIdx.x, or the counter's.
+  static __device__ __forceinline__ int first(const BwdParams& p, const BwdScratch& s) {
+    return counted(p) ? int(atomicAdd(s.next_item, 1u)) : int(blockIdx.x);
+  }
+  // The persistent producer's item after its first; s.items or more: none left.
+  static __device__ __forceinline__ int next(const BwdParams& p, const BwdScratch& s) {
+    if (counted(p)) return int(atomicAdd(s.next_item, 1u));
     if (int(gridDim.x) >= s.items) return s.items;
     return int(atomicAdd(s.next_item, 1u)) + int(gridDim.x);
   }

@@ -1,5 +1,5 @@
 // The FA3 backward kernel: a CTA an SM taking items (key tile, KV head, batch) in turn
-// (fa3_bwd_items.h; in deterministic mode, and at head dim 192, a CTA an item), three
+// (fa3_bwd_items.h; at head dim 192, and in deterministic mode but at 256, a CTA an item), three
 // warpgroups:
 //   warpgroup 0, the producer: one thread claims each item and loads its K and V once, then
 //     each step's Q and dO tiles (TMA) with their rows' lse and D (bulk copies) into
@@ -10,8 +10,9 @@
 //     S^T = K Q^T, dP^T = V dO^T           SS WGMMA
 //     P^T = exp2(S^T scale - lse), dS^T = P^T o (dP^T - D)
 //     dV += P^T dO, dK += dS^T Q           RS WGMMA, P^T / dS^T from registers
-//     dS^T to shared memory; dQ[:, half c] = dS K[:, half c]   SS WGMMA, staged in shared
-//     memory (two buffers) for the dQ writer's bulk reduce-add
+//     dS^T to shared memory; dQ[:, half c] = dS K[:, half c]   SS WGMMA (dQ^T at 96
+//     rows a step, fa3_bwd_traits.h), staged in shared memory (two buffers) for the dQ
+//     writer's bulk reduce-add
 //   and at 192 / 256 half the rows of S^T / dP^T each and dK / dV of half the head dim, from
 //   P^T / dS^T in shared memory (fa3_bwd_wide.h; fa3_bwd_traits.h says why);
 //   and at the end write dK (times softmax_scale) and dV.
@@ -26,8 +27,9 @@
 // the last key tile that walks it down. A counter per (batch, head, query tile) in the scratch
 // says how many key tiles have added; the CTA of key tile n waits for its turn (the number of
 // later key tiles that walk the query tile, common/query_tiles.h), adds, waits for the add to
-// complete and passes the turn on. The grid then puts a head's last key tile first, so the
-// turn always comes from an earlier CTA, which never waits on a later one: the waits end. With
+// complete and passes the turn on. The items put a head's last key tile first, so the turn
+// always comes from an earlier item, which never waits on a later one, and CTAs take items in
+// order (the grid's, or at 256 all from the counter, BwdItems::first): the waits end. With
 // a causal or windowed mask a later key tile starts its walk kBlockN / kBlockM query tiles
 // further on (2; 1 in the wide tile), so it reaches each dQ tile that many steps before this
 // one and the turns seldom wait. Without one
@@ -99,7 +101,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (threadIdx.x != 0) return;
     auto state_q = cutlass::make_producer_start_state<PipelineQ>();
     auto state_do = cutlass::make_producer_start_state<PipelinedO>();
-    int item = int(blockIdx.x);
+    int item = Items::first(p, s);
     #pragma unroll 1
     for (int published = 0;; ++published) {
       Items::publish(shared, published, item < s.items ? item : -1);
@@ -122,7 +124,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // Claimed only once this item's loads are issued, about two steps before the
       // consumers finish it: claimed earlier, a long item would hold back its successor from
       // CTAs that free up meanwhile.
-      item = Items::next(s);
+      item = Items::next(p, s);
     }
     return;
   }

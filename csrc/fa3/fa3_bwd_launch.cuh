@@ -29,7 +29,7 @@ struct BwdTma {
 
 inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kernel_hdim) {
   BwdScratch s;
-  s.rows_pad = (int64_t(p.seqlen_q) + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
+  s.rows_pad = (int64_t(p.seqlen_q) + plan.block_m - 1) / plan.block_m * plan.block_m;
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
   s.dq = static_cast<float*>(p.workspace);
   s.dq_copies = plan.dq_copies;
@@ -43,31 +43,29 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
   return s;
 }
 
-template <typename T, int kHeadDim>
-void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
-  using Tr = BwdTraits<T, kHeadDim>;
+// The backward with the tile Tr (its rows a step: the plan's block_m).
+template <class Tr>
+void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
+  using T = typename Tr::Raw;
   using Element = typename Tr::Element;
-  if (const char* error = plan_error(plan)) {
-    throw std::runtime_error(std::string("flash_attn: fa3 backward: ") + error);
-  }
-  if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
-      reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) {
-    // 16-byte alignment: the dQ accumulator takes bulk reduce-adds.
-    throw std::runtime_error("flash_attn: fa3 backward: the workspace must hold the plan's "
-                             "workspace_bytes, 16-byte aligned");
-  }
+  constexpr int kHeadDim = Tr::kHeadDim;
+  // The plain calls' tile (bwd_plain) has their kernel only.
+  constexpr bool kPlainOnly = Tr::kBlockM != bwd_block_m(kHeadDim, false);
   const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
-  // The accumulator and the item counter (contiguous), or in deterministic mode (a CTA an
-  // item, no counter) the turn counters alone (fa3_bwd_prep.cuh: the first add of a tile
-  // stores): a memset writes at the memory's rate, which the preprocess's stores, interleaved
-  // with its loads, did not reach.
+  // The accumulator and the item counter (contiguous), or in deterministic mode the turn
+  // counters (fa3_bwd_prep.cuh: the first add of a tile stores), and the item counter where
+  // the plan is persistent: a memset writes at the memory's rate, which the preprocess's
+  // stores, interleaved with its loads, did not reach.
   if (s.dq_turns == nullptr) {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
         s.dq, 0, size_t(s.dq_copy_stride) * s.dq_copies * 4 + kBwdCounterBytes, stream));
   } else {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
-        s.dq_turns, 0, size_t(rows / kBwdRowPad) * s.dq_copies * sizeof(int), stream));
+        s.dq_turns, 0, size_t(rows / Tr::kBlockM) * s.dq_copies * sizeof(int), stream));
+    if (plan.persistent) {
+      FLASH_CHECK_CUDA(cudaMemsetAsync(s.next_item, 0, kBwdCounterBytes, stream));
+    }
   }
   constexpr int kRowsPerStep = kBwdPrepThreads / bwd_prep_lanes<kHeadDim>();
   const int64_t prep_blocks = std::min<int64_t>((rows + kRowsPerStep - 1) / kRowsPerStep,
@@ -100,16 +98,20 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   // V in registers for the default mode only: the deterministic one ran 2-10% slower with it
   // (H200, head dims 64 / 96), the default 2-4% faster.
   constexpr bool kV = Tr::kVRegs;
-  // Persistent where the plan says so: default mode at bwd_persistent's head dims.
+  // Persistent where the plan says so: bwd_persistent's head dims, deterministic calls at
+  // bwd_persistent_deterministic's.
   constexpr bool kP = bwd_persistent(kHeadDim);
+  constexpr bool kPD = kP && bwd_persistent_deterministic(kHeadDim);
   const bool mod = p.softcap > 0.f || p.alibi_slopes != nullptr, dflt = !p.deterministic;
-  if (plan.persistent != (kP && dflt)) {
+  if (plan.persistent != (dflt ? kP : kPD) || (kPlainOnly && !bwd_plain(p))) {
     throw std::runtime_error("flash_attn: fa3 backward: the plan is not this head dim's");
   }
-  auto kernel = mod ? (dflt ? bwd_kernel<Tr, Tma, true, kV, kP>
-                            : bwd_kernel<Tr, Tma, true, false, false>)
-                    : (dflt ? bwd_kernel<Tr, Tma, false, kV, kP>
-                            : bwd_kernel<Tr, Tma, false, false, false>);
+  auto kernel = bwd_kernel<Tr, Tma, false, kV, kP>;
+  if constexpr (!kPlainOnly) {
+    kernel = mod ? (dflt ? bwd_kernel<Tr, Tma, true, kV, kP>
+                         : bwd_kernel<Tr, Tma, true, false, kPD>)
+                 : (dflt ? kernel : bwd_kernel<Tr, Tma, false, false, kPD>);
+  }
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
   if (plan.ctas > 0) {
@@ -121,6 +123,27 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
       unsigned(std::min<int64_t>(tiles, int64_t(std::max(p.num_sms, 1)) * 16));
   bwd_convert_dq_kernel<Tr><<<convert_blocks, kBwdPrepThreads, 0, stream>>>(p, s);
   FLASH_CHECK_LAUNCH();
+}
+
+template <typename T, int kHeadDim>
+void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
+  if (const char* error = plan_error(plan)) {
+    throw std::runtime_error(std::string("flash_attn: fa3 backward: ") + error);
+  }
+  if (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes ||
+      reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) {
+    // 16-byte alignment: the dQ accumulator takes bulk reduce-adds.
+    throw std::runtime_error("flash_attn: fa3 backward: the workspace must hold the plan's "
+                             "workspace_bytes, 16-byte aligned");
+  }
+  constexpr int kM = bwd_block_m(kHeadDim, false), kPlainM = bwd_block_m(kHeadDim, true);
+  if constexpr (kPlainM != kM) {
+    if (plan.block_m == kPlainM) return run_bwd_tile<BwdTraits<T, kHeadDim, kPlainM>>(p, plan, stream);
+  }
+  if (plan.block_m != kM) {
+    throw std::runtime_error("flash_attn: fa3 backward: the plan is not this head dim's");
+  }
+  run_bwd_tile<BwdTraits<T, kHeadDim, kM>>(p, plan, stream);
 }
 
 }  // namespace flash::fa3

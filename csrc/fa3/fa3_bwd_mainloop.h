@@ -234,10 +234,22 @@ struct BwdMainloop {
     Tensor tdPrdO = thr_dp.partition_fragment_B(t.dout);
     Tensor tdVrdO = thr_kv.partition_fragment_B(t.doutt);   // (MMA, N, K, stage)
     Tensor tdKrQ = thr_kv.partition_fragment_B(t.qt);
-    Tensor sKt_c = local_tile(t.kt, Shape<Int<Tr::kdQCols>, Int<kBlockN>>{},
-                              make_coord(cw, 0));
-    Tensor tdQrdS = thr_dq.partition_fragment_A(t.ds);    // (MMA, M, K)
-    Tensor tdQrK = thr_dq.partition_fragment_B(sKt_c);   // (MMA, N, K)
+    // K^T's columns and dS's rows of this consumer's dQ part: half the columns, all rows; all
+    // columns, half the rows with Tr::kdQT.
+    constexpr bool kT = Tr::kdQT;
+    Tensor sKt_c = local_tile(t.kt, Shape<Int<kT ? kHeadDim : Tr::kdQCols>, Int<kBlockN>>{},
+                              make_coord(kT ? 0 : cw, 0));
+    Tensor sdS_c = local_tile(t.ds, Shape<Int<kT ? kBlockM / 2 : kBlockM>, Int<kBlockN>>{},
+                              make_coord(kT ? cw : 0, 0));
+    // dQ = dS K: dS the A operand, K^T's half the B one; dQ^T = K^T dS^T: the other way.
+    Tensor tdQrdS = [&] {
+      if constexpr (kT) return thr_dq.partition_fragment_B(sdS_c);
+      else return thr_dq.partition_fragment_A(sdS_c);
+    }();
+    Tensor tdQrK = [&] {
+      if constexpr (kT) return thr_dq.partition_fragment_A(sKt_c);
+      else return thr_dq.partition_fragment_B(sKt_c);
+    }();
     Tensor sdSt_wg = local_tile(t.dst, Shape<_64, Int<kBlockM>>{}, make_coord(cw, 0));
     // dS^T from registers by stmatrix (four 8 x 8 blocks an instruction).
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_st);
@@ -289,8 +301,12 @@ struct BwdMainloop {
         copy(r2s_ds, r2s_thr.retile_S(rdS), tdSsdS);
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
-        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kdQCols>>{});
-        wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
+        Tensor acc_dq = partition_fragment_C(mma_dq, typename Tr::ShapedQAcc{});
+        if constexpr (kT) {
+          wgmma(mma_dq, tdQrK, tdQrdS, acc_dq, true);
+        } else {
+          wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
+        }
         Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
         wgmma(mma_kv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk, false);
         warpgroup_wait<1>();  // dV and dQ

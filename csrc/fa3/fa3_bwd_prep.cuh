@@ -1,5 +1,5 @@
 // The FA3 backward's kernels around the main one. Scratch rows (per batch and head, padded to
-// kBwdRowPad) hold, for the main kernel's unguarded tile loads:
+// the main kernel's rows a step, bwd_block_m) hold, for its unguarded tile loads:
 //   lse2   the forward's lse in base 2; +inf past the sequence (P = 0 there)
 //   dsum   D = rowsum(dO o O); 0 past the sequence
 //   dq     the dQ accumulator (fp32, unscaled), zeroed by a memset, added to by every key
@@ -8,7 +8,7 @@
 //          the conversion reads only the tiles some key tile wrote (their counter past 0)
 //   next_item  the main kernel's item counter (fa3_bwd_kernel.cuh), zeroed with the dq
 //          accumulators (the persistent kernel's: deterministic calls take one item a CTA)
-//   dq_turns  deterministic mode only: a counter per 64-row tile and copy (fa3_bwd_kernel.cuh),
+//   dq_turns  deterministic mode only: a counter per query tile (kBlockM rows) and copy (fa3_bwd_kernel.cuh),
 //          zeroed by a memset
 // and the conversion of the accumulator into dq (times softmax_scale, in the output dtype).
 #pragma once
@@ -41,7 +41,7 @@ struct BwdScratch {
   int dq_copies;
   int* dq_turns;     // nullptr unless deterministic
   int64_t rows_pad;  // per (batch, head)
-  unsigned* next_item;  // the items CTAs have taken past their first, gridDim.x
+  unsigned* next_item;  // items taken (past the CTAs' first, gridDim.x, unless counted)
   int items;            // (key tile, KV head, batch): BwdPlan's
 };
 
@@ -51,6 +51,15 @@ __device__ __forceinline__ float2 bwd_to_float2(uint32_t packed) {
     return __half22float2(*reinterpret_cast<const __half2*>(&packed));
   } else {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store1(T* ptr, float a) {
+  if constexpr (std::is_same_v<T, __half>) {
+    *ptr = __float2half_rn(a);
+  } else {
+    *ptr = __float2bfloat16_rn(a);
   }
 }
 
@@ -107,7 +116,7 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
 #endif
 }
 
-// dq = softmax_scale * accumulator. The accumulator holds each 64-row tile in the order the
+// dq = softmax_scale * accumulator. The accumulator holds each query tile in the order the
 // main kernel stages it for its bulk adds (BwdTraits::dq_slot: the dQ MMA's values of column
 // block p, float4 j of thread t at (slot(p) kdQPartVecs + j) 128 + t): a block takes a tile,
 // thread (c, t) of its two warpgroups the blocks c, c + 2, ..., whose (row, column) the dQ
@@ -124,11 +133,12 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
   constexpr int kRowElems = kHeadDim + 8, kPieces = kHeadDim / 8;
   __shared__ __align__(16) T tile_s[kBlockM * kRowElems];
   pdl_wait();  // the main kernel's adds (a no-op without programmatic launch)
-  static_assert(kBwdPrepThreads == 256 && kBwdRowPad == kBlockM && Tr::kdQParts % 2 == 0);
+  static_assert(kBwdPrepThreads == 256 && Tr::kdQParts % 2 == 0);
   const int cw = threadIdx.x / 128, tid = threadIdx.x % 128;
   typename Tr::MmadQ mma_dq;
-  Tensor cdQ = mma_dq.get_thread_slice(tid).partition_C(
-      make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kdQCols>>{}));
+  // (row, column) of each value; (column, row) for dQ^T (BwdTraits::kdQT).
+  Tensor cdQ =
+      mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(typename Tr::ShapedQAcc{}));
   static_assert(decltype(size(cdQ))::value == 4 * Tr::kdQPartVecs);
   constexpr int kParts = Tr::kdQParts / 2, kVecs = Tr::kdQPartVecs;  // a thread's
   const int64_t tiles_per_head = s.rows_pad / kBlockM;
@@ -165,15 +175,24 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     }
     CUTE_UNROLL
     for (int i = 0; i < kParts; ++i) {
-      const int col0 = (cw + 2 * i) * Tr::kdQCols;
+      const int col0 = Tr::dq_part_col0(cw + 2 * i), row0p = Tr::dq_part_row0(cw + 2 * i);
       CUTE_UNROLL
       for (int j = 0; j < kVecs; ++j) {
-        const int r = get<0>(cdQ(4 * j)), c = col0 + get<1>(cdQ(4 * j));
-        const int r2 = get<0>(cdQ(4 * j + 2)), c2 = col0 + get<1>(cdQ(4 * j + 2));
-        store2(tile_s + r * kRowElems + c, v[i][j].x * p.softmax_scale,
-               v[i][j].y * p.softmax_scale);
-        store2(tile_s + r2 * kRowElems + c2, v[i][j].z * p.softmax_scale,
-               v[i][j].w * p.softmax_scale);
+        if constexpr (Tr::kdQT) {  // value pairs run along rows: one store each
+          const float e[4] = {v[i][j].x, v[i][j].y, v[i][j].z, v[i][j].w};
+          CUTE_UNROLL
+          for (int k = 0; k < 4; ++k) {
+            const int r = row0p + get<1>(cdQ(4 * j + k)), c = col0 + get<0>(cdQ(4 * j + k));
+            store1(tile_s + r * kRowElems + c, e[k] * p.softmax_scale);
+          }
+        } else {
+          const int r = get<0>(cdQ(4 * j)), c = col0 + get<1>(cdQ(4 * j));
+          const int r2 = get<0>(cdQ(4 * j + 2)), c2 = col0 + get<1>(cdQ(4 * j + 2));
+          store2(tile_s + r * kRowElems + c, v[i][j].x * p.softmax_scale,
+                 v[i][j].y * p.softmax_scale);
+          store2(tile_s + r2 * kRowElems + c2, v[i][j].z * p.softmax_scale,
+                 v[i][j].w * p.softmax_scale);
+        }
       }
     }
     __syncthreads();

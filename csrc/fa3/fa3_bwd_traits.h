@@ -8,7 +8,9 @@
 //   192 and 256 (wide): that would be 192 / 256 registers, so 64 keys, consumer c all keys
 //     and rows [32 c, 32 c + 32) for S^T / dP^T, and dK / dV of head-dim half c, read from
 //     P^T and dS^T in shared memory (SS GEMMs). dQ's staging shares that shared memory.
-// Both: dQ[:, half c] = dS K[:, half c] by consumer c, dS read from shared memory.
+// Both: dQ[:, half c] = dS K[:, half c] by consumer c, dS read from shared memory; with 96
+// rows a step (head dim 64, bwd_block_m) as dQ^T[:, rows half c] = K^T dS^T[:, half c], since
+// a WGMMA's M is 64 a warpgroup (48 rows would not be) and its N may be 48.
 #pragma once
 
 #include <algorithm>
@@ -24,7 +26,8 @@ namespace flash::fa3 {
 
 using namespace cute;
 
-template <typename T, int kHeadDim_>
+// kBlockM_: the query rows a step (bwd_block_m).
+template <typename T, int kHeadDim_, int kBlockM_>
 struct BwdTraits {
   using Element = typename flash::CuteType<T>::type;
   using Raw = T;  // __half / __nv_bfloat16, for the dK / dV stores
@@ -32,8 +35,13 @@ struct BwdTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 192 ||
                     kHeadDim == 256,
                 "the backward's tiles: head dim 64, 96, 128, 192 or 256");
-  static constexpr int kBlockM = kBwdRowPad, kBlockN = bwd_block_n(kHeadDim);
+  static constexpr int kBlockM = kBlockM_, kBlockN = bwd_block_n(kHeadDim);
+  static_assert(kBlockM == bwd_block_m(kHeadDim, false) || kBlockM == bwd_block_m(kHeadDim, true));
   static constexpr bool kWide = kBlockN == 64;
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+  // Without it CuTe lacks GMMA atoms of N = 48 and would tile by smaller ones.
+  static_assert(kBlockM % 64 == 0, "define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED first");
+#endif
   // dO has one stage at 256: two would not fit beside dQ's 64 KB staging.
   static constexpr int kStagesQ = 2, kStagesdO = kHeadDim > 192 ? 1 : 2;
   static constexpr int kdQBuffers = kWide ? 1 : 2;  // dQ staging buffers
@@ -69,7 +77,14 @@ struct BwdTraits {
   // wide tile in two GEMMs: one 64-column accumulator more would not fit beside dK / dV): dS
   // (rows, keys) read MN-major from where the consumers wrote dS^T, K seen as (head_dim, keys).
   static constexpr int kdQParts = kWide ? 4 : 2, kdQCols = kHeadDim / kdQParts;
-  using ShapedQ = Shape<Int<kBlockM>, Int<kdQCols>, Int<kBlockN>>;
+  // kdQT: rows a step not a multiple of 64 (96 at head dim 64), so a consumer's part is
+  // dQ^T = K^T dS^T over all 64 columns (M) and its half of the rows (N = 48): K^T MN-major,
+  // dS seen as (rows, keys) MN-major; its accumulator is (columns, rows).
+  static constexpr bool kdQT = kBlockM % 64 != 0;
+  static_assert(!kdQT || kHeadDim == 64);
+  using ShapedQ = std::conditional_t<kdQT, Shape<Int<kHeadDim>, Int<kBlockM / 2>, Int<kBlockN>>,
+                                     Shape<Int<kBlockM>, Int<kdQCols>, Int<kBlockN>>>;
+  using ShapedQAcc = decltype(take<0, 2>(ShapedQ{}));
   using MmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, ShapedQ, GMMA::Major::MN, GMMA::Major::MN>()));
 
@@ -84,7 +99,8 @@ struct BwdTraits {
   // 32-byte one).
   using SwizzleAtomQ = SwizzleFor<kKVCols>;
   using SwizzleAtomKV = SwizzleFor<kdQCols>;
-  using SwizzleAtom = GMMA::Layout_K_SW128_Atom<Element>;  // rows of 64 elements
+  // dS^T's rows: 64 in a 128-byte swizzle row; 96 read in halves of 48, the 32-byte one.
+  using SwizzleAtom = SwizzleFor<kdQT ? kBlockM / 2 : kBlockM>;
   template <int kStages>
   using SmemRows = decltype(tile_to_shape(SwizzleAtomQ{},
                                           Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
@@ -100,7 +116,8 @@ struct BwdTraits {
   using SmemKt = decltype(composition(
       SmemKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
   // dS^T (and the wide tile's P^T) as (keys, rows), rows contiguous (one 128-byte swizzle row
-  // of 64 rows), and the same memory seen as dS (rows, keys), MN-major.
+  // of 64 rows; 96 in six 32-byte ones), and the same memory seen as dS (rows, keys),
+  // MN-major.
   using SmemdSt = decltype(tile_to_shape(SwizzleAtom{}, Shape<Int<kBlockN>, Int<kBlockM>>{}));
   using SmemdS = decltype(composition(
       SmemdSt{}, make_ordered_layout(Shape<Int<kBlockM>, Int<kBlockN>>{}, Step<_2, _1>{})));
@@ -110,10 +127,17 @@ struct BwdTraits {
   // last dQ GEMMs read (fa3_bwd_wide.h), so the first dQ GEMMs' parts go to the upper half.
   static constexpr int kdSBytes = kBlockN * kBlockM * int(sizeof(Element));
   static constexpr int kdQBytes = kBlockM * kHeadDim * int(sizeof(float));
-  // Part p of the dQ tile is column block p; its slot in the staging (and the global
-  // accumulator) is dq_slot(p), its values in the MMA's order: float4 j of thread t at
-  // (slot kdQPartVecs + j) 128 + t.
-  static constexpr int kdQPartVecs = kBlockM * kdQCols / 128 / 4;
+  // Part p of the dQ tile is column block p (row half p with kdQT); its slot in the staging
+  // (and the global accumulator) is dq_slot(p), its values in the MMA's order: float4 j of
+  // thread t at (slot kdQPartVecs + j) 128 + t.
+  static constexpr int kdQPartVecs =
+      decltype(size<0>(ShapedQAcc{}))::value * decltype(size<1>(ShapedQAcc{}))::value / 128 / 4;
+  __host__ __device__ static constexpr int dq_part_row0(int part) {
+    return kdQT ? part * kBlockM / 2 : 0;
+  }
+  __host__ __device__ static constexpr int dq_part_col0(int part) {
+    return kdQT ? 0 : part * kdQCols;
+  }
   __host__ __device__ static constexpr int dq_slot(int part) {
     return !kWide ? part : part % 2 == 0 ? kdQParts / 2 + part / 2 : part / 2;
   }

@@ -255,21 +255,36 @@ struct BwdPlan {
   int items = 0;                // (key tile, KV head, batch)
   int ctas = 0;                 // the grid
   bool persistent = false;      // ctas take the items in turn from a counter (bwd_persistent)
+  int block_m = 64;             // query rows a step (bwd_block_m)
 };
 
 // The backward's keys a CTA (BwdTraits::kBlockN): 64 where dK / dV of 128 keys would not fit
 // in registers (fa3_bwd_traits.h).
 constexpr int bwd_block_n(int kernel_hdim) { return kernel_hdim > 128 ? 64 : 128; }
 // Its query rows a step (BwdTraits::kBlockM), to which each (batch, head)'s scratch rows are
-// padded (fa3_bwd_prep.cuh).
-constexpr int kBwdRowPad = 64;
+// padded (fa3_bwd_prep.cuh): 96 at head dim 64 for default-mode calls with neither a mask nor
+// a score mod (`plain`), half as much GEMM work again a step for the same barriers, waits and
+// fences (dQ^T then, fa3_bwd_traits.h; +3..+7%); 64 elsewhere. Masked and deterministic calls
+// keep 64 (more masked rows a diagonal step; their kernels unchanged), head dim 128 too: 80
+// rows there lost 3-9% (docs/fa3_decisions.md).
+constexpr int bwd_block_m(int kernel_hdim, bool plain) {
+  return plain && kernel_hdim == 64 ? 96 : 64;
+}
+inline bool bwd_plain(const BwdParams& p) {
+  return !p.deterministic && !p.causal && p.window_left < 0 && p.window_right < 0 &&
+         p.softcap == 0.f && p.alibi_slopes == nullptr;
+}
 
 // Head dims whose default-mode backward keeps a CTA an SM taking (key tile, KV head, batch)
 // items in turn (fa3_bwd_kernel.cuh), not a CTA an item: the next item's K / V load under
 // this one's dK / dV stores (64 +6..10%, 128 / 256 up to +3%, 96 level; docs/fa3_decisions.md).
 // Not at 192 (-1.4..-1.9%): its 64-key items leave little to overlap. Deterministic calls keep
-// a CTA an item: their turns rely on CTAs starting in item order.
+// a CTA an item (their turns rely on CTAs starting in item order) but at the head dims below.
 constexpr bool bwd_persistent(int kernel_hdim) { return kernel_hdim != 192; }
+// Head dims whose deterministic backward is persistent too, every item from the counter, in
+// order (fa3_bwd_items.h: first): 256, +2..+11% against a CTA an item; at 64-128 it lost
+// 2-19%, more the longer the sequence (docs/fa3_decisions.md).
+constexpr bool bwd_persistent_deterministic(int kernel_hdim) { return kernel_hdim == 256; }
 
 // The workspace's item counter (BwdScratch::next_item), after the dQ accumulators: 16 bytes, so
 // that lse and D after it stay 16-byte aligned for bulk copies.
@@ -284,20 +299,23 @@ constexpr int kBwdDqCopies = 4;
 
 inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
   using plan_detail::ceil_div;
-  const int64_t rows = int64_t(p.batch) * p.heads * ceil_div(p.seqlen_q, kBwdRowPad) * kBwdRowPad;
+  const int block_m = bwd_block_m(kernel_hdim, bwd_plain(p));
+  const int64_t rows = int64_t(p.batch) * p.heads * ceil_div(p.seqlen_q, block_m) * block_m;
   const int64_t key_tiles = ceil_div(p.seqlen_k, bwd_block_n(kernel_hdim));
   BwdPlan plan;
+  plan.block_m = block_m;
   if (p.deterministic && !p.causal && p.window_right < 0) {
     plan.dq_copies = int(std::clamp<int64_t>(key_tiles / 4, 1, kBwdDqCopies));
   }
-  const int64_t turns = p.deterministic ? plan.dq_copies * rows / kBwdRowPad : 0;
+  const int64_t turns = p.deterministic ? plan.dq_copies * rows / block_m : 0;
   plan.workspace_bytes =
       rows * (kernel_hdim * plan.dq_copies + 2) * 4 + kBwdCounterBytes + turns * 4;
   const int64_t items = key_tiles * p.heads_k * p.batch;
   plan.items = int(std::min<int64_t>(items, INT_MAX));  // plan_error: past INT_MAX
   // Persistent: the next item's K / V and first Q load under this one's last steps and
   // dK / dV stores.
-  plan.persistent = !p.deterministic && bwd_persistent(kernel_hdim);
+  plan.persistent = bwd_persistent(kernel_hdim) &&
+                    (!p.deterministic || bwd_persistent_deterministic(kernel_hdim));
   plan.ctas = plan.persistent ? std::min(plan.items, std::max(p.num_sms, 1)) : plan.items;
   return plan;
 }

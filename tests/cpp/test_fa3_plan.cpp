@@ -157,6 +157,13 @@ int main() {
     const int64_t rows = 2 * 6 * 1024;  // batch 2, 6 heads, 1000 rows padded to 1024
     const BwdPlan plain = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128);
     CHECK(plain.dq_copies == 1 && plain.workspace_bytes == rows * (128 + 2) * 4 + 16);
+    CHECK(plain.block_m == 64);
+    // Plain calls at head dim 64: 96-row steps, scratch rows padded to 1056.
+    const BwdPlan plain64 = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 64);
+    CHECK(plain64.block_m == 96 && plain64.workspace_bytes == 2 * 6 * 1056 * (64 + 2) * 4 + 16);
+    CHECK(plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), false), 64).block_m == 64);
+    CHECK(plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 64).block_m == 64);
+    CHECK(plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 96).block_m == 64);
     CHECK(plain.items == 12 * 2 * 2 && plain.ctas == plain.items);  // 1500 keys: 12 tiles
     CHECK(plain.persistent);
     const BwdPlan wide = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 256);
@@ -171,10 +178,13 @@ int main() {
     CHECK(many128.persistent && many128.ctas == 132);
     CHECK(!plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 192).persistent);
     const BwdPlan full = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 128);
-    CHECK(full.dq_copies == 3);  // 12 key tiles: chains of 4
+    CHECK(full.dq_copies == 3 && full.block_m == 64);  // 12 key tiles: chains of 4
     CHECK(full.workspace_bytes == rows * (3 * 128 + 2) * 4 + 16 + 3 * rows / 64 * 4);
     const BwdPlan ordered = plan_bwd(bwd(call(16, 1024, 1024, 16, 16), true), 64);
     CHECK(!ordered.persistent && ordered.ctas == many.items);
+    // At 256 deterministic calls are persistent too: the counter hands out items in order.
+    const BwdPlan ordered256 = plan_bwd(bwd(call(16, 1024, 1024, 8, 8), true), 256);
+    CHECK(ordered256.persistent && ordered256.ctas == 132);
     const BwdPlan masked = plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), true), 64);
     CHECK(masked.dq_copies == 1 &&
           masked.workspace_bytes == rows * (64 + 2) * 4 + 16 + rows / 64 * 4);
