@@ -49,7 +49,7 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   using T = typename Tr::Raw;
   using Element = typename Tr::Element;
   constexpr int kHeadDim = Tr::kHeadDim;
-  // The plain calls' tile (bwd_plain) has their kernel only.
+  // The plain calls' tile (bwd_plain) has their kernels only (no mask, no score mod).
   constexpr bool kPlainOnly = Tr::kBlockM != bwd_block_m(kHeadDim, false);
   const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
@@ -106,11 +106,9 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   if (plan.persistent != (dflt ? kP : kPD) || (kPlainOnly && !bwd_plain(p))) {
     throw std::runtime_error("flash_attn: fa3 backward: the plan is not this head dim's");
   }
-  auto kernel = bwd_kernel<Tr, Tma, false, kV, kP>;
+  auto kernel = dflt ? bwd_kernel<Tr, Tma, false, kV, kP> : bwd_kernel<Tr, Tma, false, false, kPD>;
   if constexpr (!kPlainOnly) {
-    kernel = mod ? (dflt ? bwd_kernel<Tr, Tma, true, kV, kP>
-                         : bwd_kernel<Tr, Tma, true, false, kPD>)
-                 : (dflt ? kernel : bwd_kernel<Tr, Tma, false, false, kPD>);
+    if (mod) kernel = dflt ? bwd_kernel<Tr, Tma, true, kV, kP> : bwd_kernel<Tr, Tma, true, false, kPD>;
   }
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
