@@ -346,8 +346,8 @@ def test_backward_more_items_than_sms(d, causal, dtype, deterministic):
     """More (key tile, KV head, batch) items than twice the SMs: where bwd_persistent says so
     (fa3_plan.h) a CTA an SM takes them in turn, the next item's K / V loading while this one's
     dK / dV go out (deterministic calls at 256 too, fa3_plan.h: bwd_persistent_deterministic;
-    their turns then come from items that CTAs took earlier); elsewhere a CTA takes one. Against fa2's backward as above; GQA 2, keys that end
-    inside a tile."""
+    their turns then come from items that CTAs took earlier); elsewhere a CTA takes one.
+    Against fa2's backward as above; GQA 2, keys that end inside a tile."""
     skip_unless_built(dtype, d)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sk, h, hk = 1999, 6, 3  # 16 key tiles (32 at head dims 192 and 256)

@@ -108,7 +108,9 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   }
   auto kernel = dflt ? bwd_kernel<Tr, Tma, false, kV, kP> : bwd_kernel<Tr, Tma, false, false, kPD>;
   if constexpr (!kPlainOnly) {
-    if (mod) kernel = dflt ? bwd_kernel<Tr, Tma, true, kV, kP> : bwd_kernel<Tr, Tma, true, false, kPD>;
+    if (mod) {
+      kernel = dflt ? bwd_kernel<Tr, Tma, true, kV, kP> : bwd_kernel<Tr, Tma, true, false, kPD>;
+    }
   }
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
@@ -136,7 +138,8 @@ void run_bwd(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) {
   }
   constexpr int kM = bwd_block_m(kHeadDim, false), kPlainM = bwd_block_m(kHeadDim, true);
   if constexpr (kPlainM != kM) {
-    if (plan.block_m == kPlainM) return run_bwd_tile<BwdTraits<T, kHeadDim, kPlainM>>(p, plan, stream);
+    using Plain = BwdTraits<T, kHeadDim, kPlainM>;
+    if (plan.block_m == kPlainM) return run_bwd_tile<Plain>(p, plan, stream);
   }
   if (plan.block_m != kM) {
     throw std::runtime_error("flash_attn: fa3 backward: the plan is not this head dim's");

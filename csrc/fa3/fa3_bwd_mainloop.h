@@ -241,15 +241,13 @@ struct BwdMainloop {
                               make_coord(kT ? 0 : cw, 0));
     Tensor sdS_c = local_tile(t.ds, Shape<Int<kT ? kBlockM / 2 : kBlockM>, Int<kBlockN>>{},
                               make_coord(kT ? cw : 0, 0));
-    // dQ = dS K: dS the A operand, K^T's half the B one; dQ^T = K^T dS^T: the other way.
-    Tensor tdQrdS = [&] {
-      if constexpr (kT) return thr_dq.partition_fragment_B(sdS_c);
-      else return thr_dq.partition_fragment_A(sdS_c);
-    }();
-    Tensor tdQrK = [&] {
-      if constexpr (kT) return thr_dq.partition_fragment_A(sKt_c);
-      else return thr_dq.partition_fragment_B(sKt_c);
-    }();
+    // dQ = dS K: dS the A operand, K^T's part the B one; dQ^T = K^T dS^T: the other way.
+    Tensor tdQrA = thr_dq.partition_fragment_A([&] {
+      if constexpr (kT) return sKt_c; else return sdS_c;
+    }());
+    Tensor tdQrB = thr_dq.partition_fragment_B([&] {
+      if constexpr (kT) return sdS_c; else return sKt_c;
+    }());
     Tensor sdSt_wg = local_tile(t.dst, Shape<_64, Int<kBlockM>>{}, make_coord(cw, 0));
     // dS^T from registers by stmatrix (four 8 x 8 blocks an instruction).
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_st);
@@ -280,7 +278,7 @@ struct BwdMainloop {
         // Each step derives the k-blocks' descriptors again, next to their GEMMs: the
         // persistent kernels' item loop would hoist them (fa3_utils.h); in the kernels of one
         // item it measured level (128) or better (96 +1.3..+2%, H200).
-        hide_desc_base(tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrdS, tdQrK);
+        hide_desc_base(tSrK, tSrQ, tdPrV, tdPrdO, tdVrdO, tdKrQ, tdQrA, tdQrB);
         Tensor acc_s = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
         Tensor acc_dp = partition_fragment_C(mma_st, Shape<_64, Int<kBlockM>>{});
         wait_q(t, pipe_q, pipe_do, state, state, varlen, m, seqlen_q);
@@ -302,11 +300,7 @@ struct BwdMainloop {
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFull));
         Tensor acc_dq = partition_fragment_C(mma_dq, typename Tr::ShapedQAcc{});
-        if constexpr (kT) {
-          wgmma(mma_dq, tdQrK, tdQrdS, acc_dq, true);
-        } else {
-          wgmma(mma_dq, tdQrdS, tdQrK, acc_dq, true);
-        }
+        wgmma(mma_dq, tdQrA, tdQrB, acc_dq, true);
         Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
         wgmma(mma_kv, tdKrdS, tdKrQ(_, _, _, stage), acc_dk, false);
         warpgroup_wait<1>();  // dV and dQ

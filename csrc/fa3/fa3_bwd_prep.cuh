@@ -6,10 +6,10 @@
 //          tile; dq_copies of them in some deterministic calls, summed in order at the
 //          conversion. Deterministic mode zeroes none: a tile's first key tile stores, and
 //          the conversion reads only the tiles some key tile wrote (their counter past 0)
-//   next_item  the main kernel's item counter (fa3_bwd_kernel.cuh), zeroed with the dq
-//          accumulators (the persistent kernel's: deterministic calls take one item a CTA)
-//   dq_turns  deterministic mode only: a counter per query tile (kBlockM rows) and copy (fa3_bwd_kernel.cuh),
-//          zeroed by a memset
+//   next_item  the persistent kernel's item counter (fa3_bwd_items.h), zeroed with the dq
+//          accumulators, or alone in deterministic mode
+//   dq_turns  deterministic mode only: a counter per query tile (kBlockM rows) and copy
+//          (fa3_bwd_kernel.cuh), zeroed by a memset
 // and the conversion of the accumulator into dq (times softmax_scale, in the output dtype).
 #pragma once
 

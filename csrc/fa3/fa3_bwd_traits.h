@@ -130,8 +130,7 @@ struct BwdTraits {
   // Part p of the dQ tile is column block p (row half p with kdQT); its slot in the staging
   // (and the global accumulator) is dq_slot(p), its values in the MMA's order: float4 j of
   // thread t at (slot kdQPartVecs + j) 128 + t.
-  static constexpr int kdQPartVecs =
-      decltype(size<0>(ShapedQAcc{}))::value * decltype(size<1>(ShapedQAcc{}))::value / 128 / 4;
+  static constexpr int kdQPartVecs = decltype(size(ShapedQAcc{}))::value / 128 / 4;
   __host__ __device__ static constexpr int dq_part_row0(int part) {
     return kdQT ? part * kBlockM / 2 : 0;
   }
