@@ -355,6 +355,18 @@ def test_backward_more_items_than_sms(d, causal, dtype, deterministic):
                               deterministic=deterministic)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_long_causal_rows(dtype, deterministic):
+    """Causal calls of 4096 query rows or more at head dim 64 walk 96 rows a step (fa3_plan.h:
+    kBwdPlainCausalRows), whose diagonal steps straddle two key tiles: 4100 rows (the last
+    tile partial), 4133 keys (bottom-right: row i sees keys 0..i + 33), GQA 3.
+    Against fa2's backward as above."""
+    skip_unless_built(dtype, 64)
+    _backward_agrees_with_fa2(1, 4100, 4133, 6, 2, 64, dtype, True,
+                              deterministic=deterministic)
+
+
 def _backward_agrees_with_fa2(b, sq, sk, h, hk, d, dtype, causal, window=None, softcap=0.0,
                               deterministic=False):
     """fa3's and fa2's backward of an fa3 forward, on the same inputs, O and LSE: dq, dk, dv

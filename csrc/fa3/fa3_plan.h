@@ -262,16 +262,21 @@ struct BwdPlan {
 // in registers (fa3_bwd_traits.h).
 constexpr int bwd_block_n(int kernel_hdim) { return kernel_hdim > 128 ? 64 : 128; }
 // Its query rows a step (BwdTraits::kBlockM), to which each (batch, head)'s scratch rows are
-// padded (fa3_bwd_prep.cuh): 96 at head dim 64 for calls with neither a mask nor a score mod
-// (`plain`), half as much GEMM work again a step for the same barriers, waits and fences (dQ^T
-// then, fa3_bwd_traits.h; default mode +3..+7%, deterministic +5..+16%: a third fewer turns);
-// 64 elsewhere. Masked calls keep 64 (a diagonal step would straddle key tiles of 128), head
-// dim 128 too: 80 rows there lost 3-9% (docs/fa3_decisions.md).
+// padded (fa3_bwd_prep.cuh): 96 at head dim 64 for the calls of bwd_plain, half as much GEMM
+// work again a step for the same barriers, waits and fences (dQ^T then, fa3_bwd_traits.h;
+// default mode +3..+7%, deterministic +5..+16%: a third fewer turns); 64 elsewhere. Head dim
+// 128 keeps 64: 80 rows there lost 3-9% (docs/fa3_decisions.md).
 constexpr int bwd_block_m(int kernel_hdim, bool plain) {
   return plain && kernel_hdim == 64 ? 96 : 64;
 }
+// Causal calls take the 96-row tile from this many query rows: its diagonal steps straddle
+// two key tiles of 128, which cost more than the fewer steps save below it (1k -2.5%, 2k -1%,
+// 4k +4%, 16k +7%; deterministic 16k +16%).
+constexpr int kBwdPlainCausalRows = 4096;
+// The calls of the 96-row tile: neither a window nor a score mod, causal ones from
+// kBwdPlainCausalRows query rows.
 inline bool bwd_plain(const BwdParams& p) {
-  return !p.causal && p.window_left < 0 && p.window_right < 0 &&
+  return p.window_left < 0 && (p.causal ? p.seqlen_q >= kBwdPlainCausalRows : p.window_right < 0) &&
          p.softcap == 0.f && p.alibi_slopes == nullptr;
 }
 

@@ -161,7 +161,16 @@ int main() {
     // Plain calls at head dim 64: 96-row steps, scratch rows padded to 1056.
     const BwdPlan plain64 = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 64);
     CHECK(plain64.block_m == 96 && plain64.workspace_bytes == 2 * 6 * 1056 * (64 + 2) * 4 + 16);
+    // Causal calls from kBwdPlainCausalRows query rows (the diagonal's straddled key tiles
+    // cost more than the fewer steps save below); windowed ones never.
     CHECK(plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), false), 64).block_m == 64);
+    CHECK(plan_bwd(bwd(causal(call(1, 4095, 4133, 6, 2)), true), 64).block_m == 64);
+    CHECK(plan_bwd(bwd(causal(call(1, 4096, 4133, 6, 2)), false), 64).block_m == 96);
+    CHECK(plan_bwd(bwd(causal(call(1, 4096, 4133, 6, 2)), true), 64).block_m == 96);
+    CHECK(plan_bwd(bwd(causal(call(1, 4096, 4133, 6, 2)), false), 128).block_m == 64);
+    FwdParams windowed = causal(call(1, 4096, 4133, 6, 2));
+    windowed.window_left = 300;
+    CHECK(plan_bwd(bwd(windowed, false), 64).block_m == 64);
     CHECK(plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 64).block_m == 96);  // deterministic too
     CHECK(plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 96).block_m == 64);
     CHECK(plain.items == 12 * 2 * 2 && plain.ctas == plain.items);  // 1500 keys: 12 tiles
