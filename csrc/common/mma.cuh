@@ -196,10 +196,12 @@ __device__ __forceinline__ void bulk_store(float* dst, const float* src, int byt
                : "memory");
 #endif
 }
-// Until the bulk groups this thread issued have read their shared-memory sources.
+// Until the bulk groups this thread issued have read their shared-memory sources, all but
+// the last N.
+template <int N = 0>
 __device__ __forceinline__ void bulk_wait_read() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 #endif
 }
 // Until the bulk groups this thread issued are complete (their writes done).

@@ -63,24 +63,60 @@ __device__ __forceinline__ int* add_dq_tile(const BwdParams& p, const BwdScratch
   }
   return turns;
 }
+// The same add in parts (the wide tile's halves): dq_target waits for the turn as
+// add_dq_tile does, then DqTarget::add issues each part. (Kept apart from add_dq_tile:
+// sharing it changed the narrow kernels' writer code.)
+struct DqTarget {
+  float* dst;
+  int* turns;  // nullptr in default mode
+  bool store;
+  // Floats [begin, begin + bytes / 4) of the staged tile into the target, one bulk group.
+  __device__ __forceinline__ void add(const float* tile, int begin, int bytes) const {
+    if (store) {
+      bulk_store(dst + begin, tile + begin, bytes);
+    } else {
+      bulk_reduce_add(dst + begin, tile + begin, bytes);
+    }
+  }
+};
+template <class Tr>
+__device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const BwdScratch& s,
+                                              int n_block, const Mask& mask, int m_tile,
+                                              int64_t offset) {
+  constexpr int kTile = Tr::kBlockM * Tr::kHeadDim;
+  const int dq_copy = n_block % s.dq_copies;
+  DqTarget t{nullptr, nullptr, false};
+  if (s.dq_turns != nullptr) {
+    t.turns = s.dq_turns + dq_copy * (s.dq_copy_stride / kTile) + offset / kTile;
+    const int last = last_key_tile_of<Tr::kBlockM, Tr::kBlockN>(mask, m_tile, n_block);
+    const int turn = (last - n_block) / s.dq_copies;
+    dq_turn_wait(t.turns, turn);
+    t.store = turn == 0;
+  }
+  t.dst = s.dq + dq_copy * s.dq_copy_stride + offset;
+  return t;
+}
 
 template <class Tr>
 struct BwdEpilogue {
   static constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
 
   // The dQ writer (the producer warpgroup's second warp): the steps' tiles of the CTA's items
-  // (BwdItems) from buffers 0, 1, 0, ... (or 0 alone). Buffer b is free for the consumers'
-  // step i once the add of step i - kdQBuffers has read it (all free at the start); the
+  // (BwdItems). Narrow tile: from buffers 0, 1, 0, ...; buffer b is free for the consumers'
+  // step i once the add of step i - 2 has read it. Wide tile: its one buffer in two halves,
+  // the upper one (the first dQ GEMMs' parts) added as soon as it is staged, under the
+  // consumers' last GEMMs, the lower one over P^T / dS^T once they are read: the next step's
+  // P^T / dS^T wait for half a tile's read, not a whole one's. All free at the start; the
   // arrives past the last step are the consumers' to match (bwd_kernel).
   template <bool kPersistent>
   static __device__ __forceinline__ void write_dq(const BwdParams& p, const BwdScratch& s,
                                                   typename Tr::SharedStorage& shared) {
+    using cutlass::arch::NamedBarrier;
+    constexpr uint32_t kFull = uint32_t(BwdBarrier::dQFull);
+    constexpr uint32_t kEmpty = uint32_t(BwdBarrier::dQEmpty);
     const int64_t rows_q = s.rows_pad;
     const bool leader = threadIdx.x == 32;
-    constexpr int kBuffers = Tr::kdQBuffers;
-    for (int b = 0; b < kBuffers; ++b) {
-      cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + b);
-    }
+    for (int h = 0; h < Tr::kdQHandoffs; ++h) NamedBarrier::arrive(kdQBarrierThreads, kEmpty + h);
     int b = 0;
     #pragma unroll 1
     for (int taken = 0;; ++taken) {
@@ -97,30 +133,49 @@ struct BwdEpilogue {
       for (int hq = 0; hq < w.steps.heads_per_kv; ++hq, head_row += rows_q) {
         #pragma unroll 1
         for (int m = w.steps.m_begin; m < w.steps.m_end; ++m) {
-          cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + b);
-          // The buffer is free once the add has read it. A deterministic add's turn passes
-          // once it is complete: with two buffers before the free (the turns are the chain
-          // that waits: after it cost 2-12% at head dims 64-128), with the wide tile's one
-          // after it (held through the whole add, it kept the consumers' next staging waiting:
-          // +6..+18% at 192 / 256).
-          int* turns = nullptr;
-          if (leader) {
-            turns = add_dq_tile<Tr>(p, s, w.it.n_block, w.mask, m,
-                                    (head_row + m * kBlockM) * kHeadDim, shared.dq(b));
-            if (kBuffers == 2 && turns != nullptr) {
-              dq_turn_pass(turns);
-            } else {
-              bulk_wait_read();
+          // A deterministic add's turn passes once it is complete: in the narrow tile before
+          // the buffer's free (the turns are the chain that waits: after it cost 2-12% at
+          // head dims 64-128), in the wide tile after it (held through the whole add, it
+          // kept the consumers' next staging waiting: +6..+18% at 192 / 256).
+          if constexpr (Tr::kWide) {
+            constexpr int kHalf = Tr::kdQBytes / 2;
+            const float* tile = shared.dq(0);
+            DqTarget target{};
+            NamedBarrier::sync(kdQBarrierThreads, kFull + 1);
+            if (leader) {
+              target = dq_target<Tr>(p, s, w.it.n_block, w.mask, m,
+                                     (head_row + m * kBlockM) * kHeadDim);
+              target.add(tile, kHalf / 4, kHalf);
             }
-          }
-          __syncwarp();
-          cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads,
-                                              uint32_t(BwdBarrier::dQEmpty) + b);
-          if constexpr (kBuffers == 1) {
-            if (turns != nullptr) dq_turn_pass(turns);
+            __syncwarp();
+            NamedBarrier::sync(kdQBarrierThreads, kFull);
+            if (leader) {
+              target.add(tile, 0, kHalf);
+              bulk_wait_read<1>();
+            }
+            __syncwarp();
+            NamedBarrier::arrive(kdQBarrierThreads, kEmpty + 1);
+            if (leader) bulk_wait_read<0>();
+            __syncwarp();
+            NamedBarrier::arrive(kdQBarrierThreads, kEmpty);
+            if (leader && target.turns != nullptr) dq_turn_pass(target.turns);
             __syncwarp();  // converged at the next named barrier (bar.sync is .aligned)
+          } else {
+            NamedBarrier::sync(kdQBarrierThreads, kFull + b);
+            int* turns = nullptr;
+            if (leader) {
+              turns = add_dq_tile<Tr>(p, s, w.it.n_block, w.mask, m,
+                                      (head_row + m * kBlockM) * kHeadDim, shared.dq(b));
+              if (turns != nullptr) {
+                dq_turn_pass(turns);
+              } else {
+                bulk_wait_read();
+              }
+            }
+            __syncwarp();
+            NamedBarrier::arrive(kdQBarrierThreads, kEmpty + b);
+            b ^= 1;
           }
-          b = kBuffers == 1 ? 0 : b ^ 1;
         }
       }
     }

@@ -174,8 +174,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                                   acc_dk, acc_dv);
   }
   // The dQ writer's arrives for the steps after the CTA's last (BwdEpilogue::write_dq).
-  for (int b = 0; b < Tr::kdQBuffers; ++b) {
-    cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + b);
+  for (int h = 0; h < Tr::kdQHandoffs; ++h) {
+    cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + h);
   }
 #endif
 }

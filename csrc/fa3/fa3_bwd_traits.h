@@ -45,6 +45,9 @@ struct BwdTraits {
   // dO has one stage at 256: two would not fit beside dQ's 64 KB staging.
   static constexpr int kStagesQ = 2, kStagesdO = kHeadDim > 192 ? 1 : 2;
   static constexpr int kdQBuffers = kWide ? 1 : 2;  // dQ staging buffers
+  // Staged dQ handed to the writer in flight, each with its pair of named barriers (dQFull +
+  // h, dQEmpty + h): the narrow tile's two buffers, the wide tile's two halves of its one.
+  static constexpr int kdQHandoffs = 2;
   // K / V buffers (item slots): with two, a persistent CTA's next item's K and V (and its
   // first Q / dO) load during this item's last steps, not after them; the shared memory has
   // room up to head dim 96.

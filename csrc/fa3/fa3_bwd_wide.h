@@ -4,8 +4,9 @@
 //   P^T, dS^T of those rows (fa3_bwd_mainloop.h's softmax_grad) into shared memory
 //   dV[:, half c] += P^T dO[:, half c], dK[:, half c] += dS^T Q[:, half c]   SS WGMMA, all rows
 //   dQ[:, half c] = dS K[:, half c]   two SS WGMMAs of a quarter of the head dim each
-// and stages dQ for the writer: the first quarter under the second's GEMM, the second over
-// P^T / dS^T once both consumers' GEMMs have read them.
+// and stages dQ for the writer in two handoffs: the first quarters (the staging's upper half)
+// under the second GEMMs, the second quarters over P^T / dS^T once both consumers' GEMMs have
+// read them (BwdEpilogue::write_dq).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -119,7 +120,7 @@ struct BwdWideConsumer {
             shared.dsum[sdo], score.masked<kRows>(key0, m * kBlockM + rows0));
         Tensor rP = flash::convert_fragment<Element>(acc_s);
         Tensor rdS = flash::convert_fragment<Element>(acc_dp);
-        // P^T / dS^T overlay the dQ staging: the writer has read the last step's tile.
+        // P^T / dS^T overlay the staging's lower half: the writer has read the last step's.
         cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty));
         copy(r2s, r2s_thr.retile_S(rP), tPsP);
         copy(r2s, r2s_thr.retile_S(rdS), tdSsdS);
@@ -137,13 +138,17 @@ struct BwdWideConsumer {
         warpgroup_fence_operand(acc_dq0);
         Tensor acc_dq1 = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kdQCols>>{});
         wgmma(mma_dq, tdQrdS, tdQrK(_, _, _, 2 * cw + 1), acc_dq1, true);
-        Mainloop::stage_dq(shared.dq(0), acc_dq0, 2 * cw);  // clear of P^T / dS^T
+        // The upper half, clear of P^T / dS^T: free once the writer has read the last step's.
+        cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + 1);
+        Mainloop::stage_dq(shared.dq(0), acc_dq0, 2 * cw);
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + 1);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dq1);
         // Both consumers' GEMMs have read P^T / dS^T: the staging may overwrite them.
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFree));
         Mainloop::stage_dq(shared.dq(0), acc_dq1, 2 * cw + 1);
-        cutlass::arch::fence_view_async_shared();  // both parts, before the writer's bulk read
+        cutlass::arch::fence_view_async_shared();  // before the writer's bulk read
         cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull));
         ++state_q;
         ++state_do;

@@ -49,8 +49,8 @@ static_assert(uint32_t(FwdBarrier::ConsumerOwn) + 3 +
               cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
 // The backward's named barriers (fa3_bwd_kernel.cuh), the same way. dSFree / dSFull: the
 // consumers around the shared dS tile. Tails: the zeroed tail rows of a variable-length tile
-// are in place. dQFull + b / dQEmpty + b: dQ staging buffer b written by the consumers / read
-// by the dQ writer's bulk add.
+// are in place. dQFull + h / dQEmpty + h: staged dQ handoff h (BwdTraits::kdQHandoffs)
+// written by the consumers / read by the dQ writer's bulk add.
 enum class BwdBarrier : uint32_t { dSFree = 0, dSFull = 1, Tails = 2, dQFull = 3, dQEmpty = 5 };
 static_assert(uint32_t(BwdBarrier::dQEmpty) + 1 +
                   cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
