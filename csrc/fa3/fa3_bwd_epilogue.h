@@ -124,7 +124,7 @@ struct BwdEpilogue {
       const int item = Items::take(shared, taken);
       Items::release(shared, taken);  // the writer reads nothing else of the slot or K / V
       if (item < 0) break;
-      const BwdWork<Tr> w(p, item);
+      const BwdWork<Tr> w(p, s, item);
       if (w.steps.count() == 0) continue;
       // The scratch row of the group's first head, then of each next one.
       int64_t head_row =

@@ -1,6 +1,7 @@
 // The FA3 backward's work items (fa3_bwd_kernel.cuh). Item i is (key tile, KV head, batch),
-// key tiles fastest (neighbouring items read the same Q and dO); in deterministic mode a
-// head's last key tile comes first (the turns' order). A CTA takes items until none is left:
+// key tiles fastest (neighbouring items read the same Q and dO) but over the plan's tail
+// pairs (BwdItem); in deterministic mode a head's last key tile comes first (the turns'
+// order). A CTA takes items until none is left:
 // its producer thread claims each and publishes it with the item's K and V (kv_full), and
 // the consumers and the dQ writer take it there and release the slot, and K and V with it
 // (kv_empty). An item walks the query tiles of BwdSteps.
@@ -20,12 +21,17 @@ namespace flash::fa3 {
 template <class Tr>
 struct BwdItem {
   int n_block, head_k, batch;
-  __device__ BwdItem(const BwdParams& p, int item) {
+  // Pair by pair, key tiles fastest, but for the last s.tail_pairs (KV head, batch) pairs,
+  // taken key tile by key tile (all their first key tiles, then their second ones, ...).
+  __device__ BwdItem(const BwdParams& p, const BwdScratch& s, int item) {
     const int n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
-    const int n = item % n_blocks, rest = item / n_blocks;
+    const int head_pairs = p.heads_k * p.batch - s.tail_pairs;
+    const int tail = item - head_pairs * n_blocks;
+    const int n = tail < 0 ? item % n_blocks : tail / s.tail_pairs;
+    const int pair = tail < 0 ? item / n_blocks : head_pairs + tail % s.tail_pairs;
     n_block = p.deterministic ? n_blocks - 1 - n : n;
-    head_k = rest % p.heads_k;
-    batch = rest / p.heads_k;
+    head_k = pair % p.heads_k;
+    batch = pair / p.heads_k;
   }
 };
 
@@ -51,8 +57,8 @@ struct BwdWork {
   flash::SeqInfo seq;
   Mask mask;
   BwdSteps<Tr> steps;
-  __device__ BwdWork(const BwdParams& p, int item)
-      : it(p, item), seq(p, it.batch), mask(p, seq), steps(p, mask, it.n_block) {}
+  __device__ BwdWork(const BwdParams& p, const BwdScratch& s, int item)
+      : it(p, s, item), seq(p, it.batch), mask(p, seq), steps(p, mask, it.n_block) {}
 };
 
 // The handoff. Items are 32-bit (fa3_plan.h: plan_error). kPersistent: a CTA takes items

@@ -37,6 +37,7 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
   float* const after_dq = s.dq + s.dq_copy_stride * s.dq_copies;
   s.next_item = reinterpret_cast<unsigned*>(after_dq);
   s.items = plan.items;
+  s.tail_pairs = plan.tail_pairs;
   s.lse2 = after_dq + kBwdCounterBytes / sizeof(float);
   s.dsum = s.lse2 + rows;
   s.dq_turns = p.deterministic ? reinterpret_cast<int*>(s.dsum + rows) : nullptr;

@@ -43,6 +43,7 @@ struct BwdScratch {
   int64_t rows_pad;  // per (batch, head)
   unsigned* next_item;  // items taken (past the CTAs' first, gridDim.x, unless counted)
   int items;            // (key tile, KV head, batch): BwdPlan's
+  int tail_pairs;       // the last pairs, taken key tile by key tile: BwdPlan's
 };
 
 template <typename T>

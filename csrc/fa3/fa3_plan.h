@@ -256,6 +256,7 @@ struct BwdPlan {
   int ctas = 0;                 // the grid
   bool persistent = false;      // ctas take the items in turn from a counter (bwd_persistent)
   int block_m = 64;             // query rows a step (bwd_block_m)
+  int tail_pairs = 1;           // the last (KV head, batch) pairs taken key tile by key tile
 };
 
 // The backward's keys a CTA (BwdTraits::kBlockN): 64 where dK / dV of 128 keys would not fit
@@ -302,6 +303,13 @@ constexpr int kBwdCounterBytes = 16;
 // read of the whole accumulator, which outweighs chains shorter than four (docs/fa3_decisions.md).
 constexpr int kBwdDqCopies = 4;
 
+// A causal call's last items taken key tile by key tile: about this many an SM
+// (BwdPlan::tail_pairs). Harness, H200, 1k / 2k / 4k / 8k / 16k causal: 128 +2.6 / +4.2 /
+// +4.3 / +6.2 / +0.7%, 256 +4.7 / +4.8 / +4.1 / -0.5 / +0.6%; one an SM or four did less
+// (docs/fa3_decisions.md). At the head dims measured; 64, 96 and 192 are not yet.
+constexpr int kBwdTailItems = 2;
+constexpr bool bwd_tail_order(int kernel_hdim) { return kernel_hdim == 128 || kernel_hdim == 256; }
+
 inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
   using plan_detail::ceil_div;
   const int block_m = bwd_block_m(kernel_hdim, bwd_plain(p));
@@ -322,6 +330,16 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {})
   plan.persistent = bwd_persistent(kernel_hdim) &&
                     (!p.deterministic || bwd_persistent_deterministic(kernel_hdim));
   plan.ctas = plan.persistent ? std::min(plan.items, std::max(p.num_sms, 1)) : plan.items;
+  // Causal items differ in length (key tile n walks the query tiles from about n kBlockN /
+  // kBlockM on), longest first within a pair. Taken pair by pair (the CTAs running at once
+  // then share a few pairs' Q and dO in L2), the last pairs' long items would start when the
+  // other CTAs are nearly done; so the last pairs, kBwdTailItems items an SM, go key tile by
+  // key tile over all of them, and the last items taken are short ones (fa3_bwd_items.h).
+  if (p.causal && p.window_left < 0 && !p.deterministic && bwd_tail_order(kernel_hdim)) {
+    const int64_t pairs = int64_t(p.heads_k) * p.batch;
+    plan.tail_pairs = int(std::clamp<int64_t>(
+        ceil_div(int64_t(kBwdTailItems) * std::max(p.num_sms, 1), key_tiles), 1, pairs));
+  }
   return plan;
 }
 

@@ -197,6 +197,21 @@ int main() {
     const BwdPlan masked = plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), true), 64);
     CHECK(masked.dq_copies == 1 &&
           masked.workspace_bytes == rows * (64 + 2) * 4 + 16 + rows / 64 * 4);
+    // Causal calls take their last pairs' items key tile by key tile, at least two items an SM
+    // (264 on 132 SMs): at 128, 4k (32 key tiles) the last 9 of 64 pairs; 1k (8 tiles) 33;
+    // 16k (128 tiles) 3; a call of 2 pairs all of them; at 256 (64-key tiles) 4k the last 5.
+    // Full, windowed and deterministic calls, and the head dims not measured (64), none.
+    CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 16, 16)), false), 128).tail_pairs == 9);
+    CHECK(plan_bwd(bwd(causal(call(16, 1024, 1024, 16, 16)), false), 128).tail_pairs == 33);
+    CHECK(plan_bwd(bwd(causal(call(1, 16384, 16384, 16, 16)), false), 128).tail_pairs == 3);
+    CHECK(plan_bwd(bwd(causal(call(1, 1024, 1024, 4, 2)), false), 128).tail_pairs == 2);
+    CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 16, 16)), true), 128).tail_pairs == 1);
+    CHECK(plan_bwd(bwd(call(4, 4096, 4096, 16, 16), false), 128).tail_pairs == 1);
+    CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 8, 8)), false), 256).tail_pairs == 5);
+    CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 32, 32)), false), 64).tail_pairs == 1);
+    FwdParams sliding = causal(call(4, 4096, 4096, 16, 16));
+    sliding.window_left = 512;
+    CHECK(plan_bwd(bwd(sliding, false), 128).tail_pairs == 1);
     // 2^31 items or more: refused (the kernel's item indices are 32-bit).
     CHECK(plan_error(plan_bwd(bwd(call(1 << 16, 64, 1 << 16, 256, 256), false), 128)));
     // 1.5 * 2^30 items, a CTA each: accepted (only a persistent grid counts past its items).
