@@ -304,11 +304,10 @@ constexpr int kBwdCounterBytes = 16;
 constexpr int kBwdDqCopies = 4;
 
 // A causal call's last items taken key tile by key tile: about this many an SM
-// (BwdPlan::tail_pairs). Harness, H200, 1k / 2k / 4k / 8k / 16k causal: 128 +2.6 / +4.2 /
-// +4.3 / +6.2 / +0.7%, 256 +4.7 / +4.8 / +4.1 / -0.5 / +0.6%; one an SM or four did less
-// (docs/fa3_decisions.md). At the head dims measured; 64, 96 and 192 are not yet.
+// (BwdPlan::tail_pairs). Harness, H200, 1k / 2k / 4k / 8k causal: 128 +2.6 / +4.2 / +4.3 /
+// +6.2%, 256 +4.7 / +4.8 / +4.1 / -0.5%, 96 +3 / +3.6 / +3.5 / +2.6..+4.6%, 64 and 192
+// +2..+3.6%; 16k level. One an SM or four did less (docs/fa3_decisions.md).
 constexpr int kBwdTailItems = 2;
-constexpr bool bwd_tail_order(int kernel_hdim) { return kernel_hdim == 128 || kernel_hdim == 256; }
 
 inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
   using plan_detail::ceil_div;
@@ -335,7 +334,7 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {})
   // then share a few pairs' Q and dO in L2), the last pairs' long items would start when the
   // other CTAs are nearly done; so the last pairs, kBwdTailItems items an SM, go key tile by
   // key tile over all of them, and the last items taken are short ones (fa3_bwd_items.h).
-  if (p.causal && p.window_left < 0 && !p.deterministic && bwd_tail_order(kernel_hdim)) {
+  if (p.causal && p.window_left < 0 && !p.deterministic) {
     const int64_t pairs = int64_t(p.heads_k) * p.batch;
     plan.tail_pairs = int(std::clamp<int64_t>(
         ceil_div(int64_t(kBwdTailItems) * std::max(p.num_sms, 1), key_tiles), 1, pairs));

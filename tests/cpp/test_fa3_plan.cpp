@@ -199,8 +199,8 @@ int main() {
           masked.workspace_bytes == rows * (64 + 2) * 4 + 16 + rows / 64 * 4);
     // Causal calls take their last pairs' items key tile by key tile, at least two items an SM
     // (264 on 132 SMs): at 128, 4k (32 key tiles) the last 9 of 64 pairs; 1k (8 tiles) 33;
-    // 16k (128 tiles) 3; a call of 2 pairs all of them; at 256 (64-key tiles) 4k the last 5.
-    // Full, windowed and deterministic calls, and the head dims not measured (64), none.
+    // 16k (128 tiles) 3; a call of 2 pairs all of them; at 192 / 256 (64-key tiles) 4k the
+    // last 5; at 64, 4k, 9 of 128. Full, windowed and deterministic calls none.
     CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 16, 16)), false), 128).tail_pairs == 9);
     CHECK(plan_bwd(bwd(causal(call(16, 1024, 1024, 16, 16)), false), 128).tail_pairs == 33);
     CHECK(plan_bwd(bwd(causal(call(1, 16384, 16384, 16, 16)), false), 128).tail_pairs == 3);
@@ -208,7 +208,8 @@ int main() {
     CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 16, 16)), true), 128).tail_pairs == 1);
     CHECK(plan_bwd(bwd(call(4, 4096, 4096, 16, 16), false), 128).tail_pairs == 1);
     CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 8, 8)), false), 256).tail_pairs == 5);
-    CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 32, 32)), false), 64).tail_pairs == 1);
+    CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 10, 10)), false), 192).tail_pairs == 5);
+    CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 32, 32)), false), 64).tail_pairs == 9);
     FwdParams sliding = causal(call(4, 4096, 4096, 16, 16));
     sliding.window_left = 512;
     CHECK(plan_bwd(bwd(sliding, false), 128).tail_pairs == 1);
