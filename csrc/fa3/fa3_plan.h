@@ -305,7 +305,7 @@ constexpr int kBwdDqCopies = 4;
 
 // A causal call's last items taken key tile by key tile: about this many an SM
 // (BwdPlan::tail_pairs). Harness, H200, 1k / 2k / 4k / 8k causal: 128 +2.6 / +4.2 / +4.3 /
-// +6.2%, 256 +4.7 / +4.8 / +4.1 / -0.5%, 96 +3 / +3.6 / +3.5 / +2.6..+4.6%, 64 and 192
+// +6.2%, 256 +4.7 / +4.8 / +4.1 / -0.5%, 96 +2.7..+3.1 / +3.6 / +3.6 / +2.6..+4.7%, 64 and 192
 // +2..+3.6%; 16k level. One an SM or four did less (docs/fa3_decisions.md).
 constexpr int kBwdTailItems = 2;
 
