@@ -367,6 +367,27 @@ def test_backward_long_causal_rows(dtype, deterministic):
                               deterministic=deterministic)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("case", ["few-items-2-parts-softcap", "more-items-than-sms-3-parts"])
+def test_backward_split_tail(case, d, dtype):
+    """Full attention's last partial wave split by query tiles (fa3_plan.h: bwd_split_parts),
+    forced to 2 or 3 parts an item (the private fa3_bwd_split): each part adds its dK / dV into
+    fp32 sums and the last part stores them. Fewer items than SMs (all of them split; 2 x 1000 x
+    6 heads, GQA 3, 1500 keys: a key tile ends inside), or more (the last partial wave's items
+    split; 1999 keys, 300 rows: 5 query tiles of 64 in parts of 1, 2, 2). Against the
+    reference."""
+    skip_unless_built(dtype, d)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if case.startswith("few"):
+        b, sq, sk, h, hk, spec, parts = 2, 1000, 1500, 6, 2, dict(softcap=5.0), 2
+    else:
+        b, sq, sk, h, hk, spec, parts = 2 * sms // (16 * 3) + 1, 300, 1999, 6, 3, {}, 3
+    attn = attn_args(spec, b, h)
+    check(qkv(b, sq, sk, h, hk, d, dtype), "qkv", dtype,
+          fa(attn, tuning=dict(fa3_bwd_split=parts)), attn)
+
+
 def _backward_agrees_with_fa2(b, sq, sk, h, hk, d, dtype, causal, window=None, softcap=0.0,
                               deterministic=False):
     """fa3's and fa2's backward of an fa3 forward, on the same inputs, O and LSE: dq, dk, dv

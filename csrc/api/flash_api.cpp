@@ -349,6 +349,7 @@ flash::Tuning parse_tuning(const std::string& text) {
       {"fa2_dq_bulk", &flash::Tuning::fa2_dq_bulk},   {"fa2_dq_defer", &flash::Tuning::fa2_dq_defer},
       {"fa2_pdl", &flash::Tuning::fa2_pdl},           {"head_group", &flash::Tuning::head_group},
       {"fa1_q_tiles", &flash::Tuning::fa1_q_tiles},   {"fa2_decode", &flash::Tuning::fa2_decode},
+      {"fa3_bwd_split", &flash::Tuning::fa3_bwd_split},
   };
   size_t at = 0;
   while (at < text.size()) {

@@ -15,6 +15,8 @@ struct Tuning {
   int fa3_cluster = -1;   // 1: clusters wherever the tile has them (full attention), 0: never
   int fa3_narrow = -1;    // 1: the narrow tile on every call, 0: only where the wide one pads more
   int fa3_ctas = 0;       // > 0: the grid (stream-K: the workers), for the harness
+  // fa3 backward (fa3_plan.h, plan_bwd)
+  int fa3_bwd_split = -1;  // 0: no split of full attention's last wave, k > 0: k parts an item
   // fa2 backward (fa2/fa2.h, plan_bwd)
   int fa2_dq_bulk = -1;   // 0: per-fragment dQ reductions on sm90 too (sm80's path)
   int fa2_dq_defer = -1;  // 0: a dQ tile's reductions after its GEMM (the deterministic path)

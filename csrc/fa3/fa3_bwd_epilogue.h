@@ -18,6 +18,13 @@
 
 namespace flash::fa3 {
 
+// An fp32 reduce-add of four floats into global memory (16-byte aligned).
+__device__ __forceinline__ void red_add(float4* dst, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+}
+
 // The deterministic mode's turns (the dQ writer's first thread). The proxy fences order the
 // bulk adds (the async proxy) after the acquire and before the release.
 __device__ __forceinline__ void dq_turn_wait(const int* counter, int turn) {
@@ -124,7 +131,7 @@ struct BwdEpilogue {
       const int item = Items::take(shared, taken);
       Items::release(shared, taken);  // the writer reads nothing else of the slot or K / V
       if (item < 0) break;
-      const BwdWork<Tr> w(p, s, item);
+      const BwdWork<Tr, kPersistent> w(p, s, item);
       if (w.steps.count() == 0) continue;
       // The scratch row of the group's first head, then of each next one.
       int64_t head_row =
@@ -180,6 +187,39 @@ struct BwdEpilogue {
       }
     }
     if (leader) bulk_wait_complete();  // done before the CTA's shared memory goes
+  }
+
+  // A split item's part (BwdPlan::split_items; item: the part's), consumer cw: its dK / dV added
+  // into the split item's fp32 sums, in the accumulators' order. Returns whether this part was
+  // the item's last to add; its acc_dk / acc_dv then hold the sums, for store_dkdv. The adds,
+  // a fence and the barrier come before thread 128 counts the part, so the last count sees
+  // every part's adds (the CUDA guide's last-block pattern).
+  template <class Acc>
+  static __device__ __forceinline__ bool add_split_part(const BwdScratch& s, int item, int cw,
+                                                        Acc& acc_dk, Acc& acc_dv) {
+    constexpr int kVecs = decltype(size(acc_dk))::value / 4;  // float4s of one a thread
+    const int split = (item - s.split_first) / s.split_parts;
+    float4* const sums = reinterpret_cast<float4*>(s.split_acc) +
+                         (int64_t(split) * 2 + cw) * 2 * kVecs * 128 + threadIdx.x % 128;
+    CUTE_UNROLL
+    for (int j = 0; j < kVecs; ++j) {
+      red_add(sums + j * 128, acc_dk(4 * j), acc_dk(4 * j + 1), acc_dk(4 * j + 2), acc_dk(4 * j + 3));
+      red_add(sums + (kVecs + j) * 128, acc_dv(4 * j), acc_dv(4 * j + 1), acc_dv(4 * j + 2),
+              acc_dv(4 * j + 3));
+    }
+    __threadfence();
+    cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Parts));
+    bool last = false;
+    if (threadIdx.x == 128) last = atomicAdd(s.split_count + split, 1u) == unsigned(s.split_parts - 1);
+    if (!barrier_or(256, uint32_t(BwdBarrier::Parts), last)) return false;
+    __threadfence();
+    CUTE_UNROLL
+    for (int j = 0; j < kVecs; ++j) {
+      const float4 k = __ldcg(sums + j * 128), v = __ldcg(sums + (kVecs + j) * 128);
+      acc_dk(4 * j) = k.x, acc_dk(4 * j + 1) = k.y, acc_dk(4 * j + 2) = k.z, acc_dk(4 * j + 3) = k.w;
+      acc_dv(4 * j) = v.x, acc_dv(4 * j + 1) = v.y, acc_dv(4 * j + 2) = v.z, acc_dv(4 * j + 3) = v.w;
+    }
+    return true;
   }
 
   // dK (times softmax_scale) and dV of a consumer's 64 keys from key0 and kKVCols columns

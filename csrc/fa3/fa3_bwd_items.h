@@ -1,7 +1,8 @@
 // The FA3 backward's work items (fa3_bwd_kernel.cuh). Item i is (key tile, KV head, batch),
 // key tiles fastest (neighbouring items read the same Q and dO) but over the plan's tail
 // pairs (BwdItem); in deterministic mode a head's last key tile comes first (the turns'
-// order). A CTA takes items until none is left:
+// order); a persistent grid's last partial wave of full attention goes as parts of its
+// items' query tiles (BwdPlan::split_items). A CTA takes items until none is left:
 // its producer thread claims each and publishes it with the item's K and V (kv_full), and
 // the consumers and the dQ writer take it there and release the slot, and K and V with it
 // (kv_empty). An item walks the query tiles of BwdSteps.
@@ -18,12 +19,23 @@
 
 namespace flash::fa3 {
 
-template <class Tr>
+// kSplit: the plan may split items (a persistent kernel's, BwdPlan::split_items): item
+// s.split_first + k r + j is part j of the k = s.split_parts parts of item s.split_first + r.
+template <class Tr, bool kSplit>
 struct BwdItem {
   int n_block, head_k, batch;
+  int part = 0, parts = 1;
   // Pair by pair, key tiles fastest, but for the last s.tail_pairs (KV head, batch) pairs,
   // taken key tile by key tile (all their first key tiles, then their second ones, ...).
   __device__ BwdItem(const BwdParams& p, const BwdScratch& s, int item) {
+    if constexpr (kSplit) {
+      if (item >= s.split_first) {
+        const int split = item - s.split_first;
+        parts = s.split_parts;
+        part = split % parts;
+        item = s.split_first + split / parts;
+      }
+    }
     const int n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
     const int head_pairs = p.heads_k * p.batch - s.tail_pairs;
     const int tail = item - head_pairs * n_blocks;
@@ -36,14 +48,20 @@ struct BwdItem {
 };
 
 // The query tiles [begin, end) that may see a key of key tile n_block (common/query_tiles.h);
-// none for a tile past the sequence's keys.
+// none for a tile past the sequence's keys. Part `part` of `parts` takes that share of them
+// (of each query head's).
 template <class Tr>
 struct BwdSteps {
   int m_begin, m_end, heads_per_kv;
-  __device__ BwdSteps(const BwdParams& p, const Mask& mask, int n_block) {
+  __device__ BwdSteps(const BwdParams& p, const Mask& mask, int n_block, int part, int parts) {
     const QueryTiles t = query_tiles<Tr::kBlockM, Tr::kBlockN>(mask, n_block);
     m_begin = t.begin;
     m_end = n_block * Tr::kBlockN < mask.seqlen_k ? t.end : 0;
+    if (parts > 1 && m_end > m_begin) {
+      const int tiles = m_end - m_begin;
+      m_end = m_begin + tiles * (part + 1) / parts;
+      m_begin += tiles * part / parts;
+    }
     heads_per_kv = p.heads / p.heads_k;
   }
   __device__ int count() const { return m_end > m_begin ? heads_per_kv * (m_end - m_begin) : 0; }
@@ -51,14 +69,15 @@ struct BwdSteps {
 
 // An item with what follows from it: its sequence, mask and query tiles. The producer, the
 // consumers and the dQ writer each derive it from the item they take.
-template <class Tr>
+template <class Tr, bool kSplit>
 struct BwdWork {
-  BwdItem<Tr> it;
+  BwdItem<Tr, kSplit> it;
   flash::SeqInfo seq;
   Mask mask;
   BwdSteps<Tr> steps;
   __device__ BwdWork(const BwdParams& p, const BwdScratch& s, int item)
-      : it(p, s, item), seq(p, it.batch), mask(p, seq), steps(p, mask, it.n_block) {}
+      : it(p, s, item), seq(p, it.batch), mask(p, seq),
+        steps(p, mask, it.n_block, it.part, it.parts) {}
 };
 
 // The handoff. Items are 32-bit (fa3_plan.h: plan_error). kPersistent: a CTA takes items

@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         cutlass::arch::ClusterBarrier::arrive(kv_full);
         break;
       }
-      const BwdWork<Tr> w(p, s, item);
+      const BwdWork<Tr, kPersistent> w(p, s, item);
       if (w.steps.count() == 0) {
         cutlass::arch::ClusterBarrier::arrive(kv_full);  // dK = dV = 0, no loads
       } else {
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   for (int taken = 0;; ++taken) {
     const int item = Items::take(shared, taken);
     if (item < 0) break;
-    const BwdWork<Tr> w(p, s, item);
+    const BwdWork<Tr, kPersistent> w(p, s, item);
     clear(acc_dk);
     clear(acc_dv);
     if constexpr (Tr::kWide) {  // all keys of the tile, head-dim half cw
@@ -165,9 +165,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                                        acc_dk, acc_dv);
     }
     // The item again for the stores: kept through the steps, its coordinates spilled.
-    const BwdItem<Tr> done(p, s, Items::current(shared, taken, item));
+    const int current = Items::current(shared, taken, item);
+    const BwdItem<Tr, kPersistent> done(p, s, current);
     const flash::SeqInfo done_seq(p, done.batch);
     Items::release(shared, taken);  // K and V read: a next item's may come in
+    // A split item's part stores only if it is the item's last (the others' sums with its own).
+    if constexpr (kPersistent) {
+      if (done.parts > 1 &&
+          !BwdEpilogue<Tr>::add_split_part(s, current, cw, acc_dk, acc_dv)) {
+        continue;
+      }
+    }
     const int key0 = done.n_block * kBlockN + (Tr::kWide ? 0 : 64 * cw);
     const int col0 = Tr::kWide ? kKVCols * cw : 0;
     BwdEpilogue<Tr>::template store_dkdv<kPinTid>(p, done_seq, done.head_k, key0, col0,

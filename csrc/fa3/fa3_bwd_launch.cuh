@@ -38,7 +38,11 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
   s.next_item = reinterpret_cast<unsigned*>(after_dq);
   s.items = plan.items;
   s.tail_pairs = plan.tail_pairs;
-  s.lse2 = after_dq + kBwdCounterBytes / sizeof(float);
+  s.split_parts = plan.split_parts;
+  s.split_first = plan.items - plan.split_items * plan.split_parts;
+  s.split_count = reinterpret_cast<unsigned*>(after_dq + kBwdCounterBytes / sizeof(float));
+  s.split_acc = after_dq + (kBwdCounterBytes + bwd_split_counter_bytes(plan.split_items)) / 4;
+  s.lse2 = after_dq + (kBwdCounterBytes + bwd_split_bytes(plan.split_items, kernel_hdim)) / 4;
   s.dsum = s.lse2 + rows;
   s.dq_turns = p.deterministic ? reinterpret_cast<int*>(s.dsum + rows) : nullptr;
   return s;
@@ -54,13 +58,16 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   constexpr bool kPlainOnly = Tr::kBlockM != bwd_block_m(kHeadDim, false);
   const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
-  // The accumulator and the item counter (contiguous), or in deterministic mode the turn
-  // counters (fa3_bwd_prep.cuh: the first add of a tile stores), and the item counter where
-  // the plan is persistent: a memset writes at the memory's rate, which the preprocess's
+  // The accumulator, the item counter and the split items' region (contiguous), or in
+  // deterministic mode the turn counters (fa3_bwd_prep.cuh: the first add of a tile stores),
+  // and the item counter where the plan is persistent: a memset writes at the memory's rate, which the preprocess's
   // stores, interleaved with its loads, did not reach.
   if (s.dq_turns == nullptr) {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
-        s.dq, 0, size_t(s.dq_copy_stride) * s.dq_copies * 4 + kBwdCounterBytes, stream));
+        s.dq, 0,
+        size_t(s.dq_copy_stride) * s.dq_copies * 4 + kBwdCounterBytes +
+            size_t(bwd_split_bytes(plan.split_items, kHeadDim)),
+        stream));
   } else {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
         s.dq_turns, 0, size_t(rows / Tr::kBlockM) * s.dq_copies * sizeof(int), stream));

@@ -8,6 +8,8 @@
 //          the conversion reads only the tiles some key tile wrote (their counter past 0)
 //   next_item  the persistent kernel's item counter (fa3_bwd_items.h), zeroed with the dq
 //          accumulators, or alone in deterministic mode
+//   split  the split items' part counters and fp32 dK / dV sums (BwdPlan::split_items), zeroed
+//          with the dq accumulators
 //   dq_turns  deterministic mode only: a counter per query tile (kBlockM rows) and copy
 //          (fa3_bwd_kernel.cuh), zeroed by a memset
 // and the conversion of the accumulator into dq (times softmax_scale, in the output dtype).
@@ -44,6 +46,13 @@ struct BwdScratch {
   unsigned* next_item;  // items taken (past the CTAs' first, gridDim.x, unless counted)
   int items;            // (key tile, KV head, batch): BwdPlan's
   int tail_pairs;       // the last pairs, taken key tile by key tile: BwdPlan's
+  // The split items (BwdPlan::split_items; fa3_bwd_items.h): items from split_first are their
+  // parts, split_parts each; split_count: the parts done, split_acc: the fp32 dK / dV sums,
+  // per split item (zeroed with the dQ accumulator).
+  int split_first;
+  int split_parts;
+  unsigned* split_count;
+  float* split_acc;
 };
 
 template <typename T>

@@ -257,6 +257,10 @@ struct BwdPlan {
   bool persistent = false;      // ctas take the items in turn from a counter (bwd_persistent)
   int block_m = 64;             // query rows a step (bwd_block_m)
   int tail_pairs = 1;           // the last (KV head, batch) pairs taken key tile by key tile
+  // Full attention's last partial wave: its split_items items (the last in order) run as
+  // split_parts items each, a share of the query tiles apiece (bwd_split_parts).
+  int split_items = 0;
+  int split_parts = 1;
 };
 
 // The backward's keys a CTA (BwdTraits::kBlockN): 64 where dK / dV of 128 keys would not fit
@@ -295,6 +299,12 @@ constexpr bool bwd_persistent_deterministic(int kernel_hdim) { return kernel_hdi
 // The workspace's item counter (BwdScratch::next_item), after the dQ accumulators: 16 bytes, so
 // that lse and D after it stay 16-byte aligned for bulk copies.
 constexpr int kBwdCounterBytes = 16;
+// The split items' region of the workspace (BwdPlan::split_items), after the item counter: a
+// counter each (16-byte aligned as a block), then each item's fp32 dK and dV.
+inline int64_t bwd_split_counter_bytes(int64_t split) { return (split * 4 + 15) / 16 * 16; }
+inline int64_t bwd_split_bytes(int64_t split, int kernel_hdim) {
+  return bwd_split_counter_bytes(split) + split * 2 * bwd_block_n(kernel_hdim) * kernel_hdim * 4;
+}
 
 // Deterministic calls whose key tiles all walk the same query tiles (no right bound on the
 // keys a row sees) add into up to this many dQ accumulators, summed in order at the
@@ -309,7 +319,32 @@ constexpr int kBwdDqCopies = 4;
 // +2..+3.6%; 16k level. One an SM or four did less (docs/fa3_decisions.md).
 constexpr int kBwdTailItems = 2;
 
-inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {}) {
+// Full attention's items are all alike, so a persistent grid ends on a partial wave: 2048 items
+// on 132 SMs (head dim 128 at 16k tokens) leave 68 for a last wave that runs while 64 SMs idle,
+// ~3% of the call. Those items go as parts of their query tiles instead, each part a work item
+// of its own (fa3_bwd_items.h), whose fp32 dK / dV the last part to finish sums and stores
+// (fa3_bwd_epilogue.h: add_split_part). The parts: k from 2 to kBwdSplitMaxParts minimising
+// the last wave's time, ceil(R k / SMs) / k of an item's (R the last wave's items), each with
+// kBwdSplitMinSteps steps or more, so that their fixed cost (K / V in, the pipeline's fill, the
+// fp32 adds) stays small beside their steps; 0: no split. forced > 0 (Tuning::fa3_bwd_split):
+// that many parts (at most one a step), the last wave being all items when it is a full one.
+constexpr int kBwdSplitMaxParts = 8, kBwdSplitMinSteps = 8;
+inline int bwd_split_parts(int64_t items, int sms, int64_t steps, int forced, int64_t& split) {
+  split = items % sms;
+  if (forced > 0) {
+    if (split == 0) split = std::min<int64_t>(items, sms);
+    return int(std::min<int64_t>(forced, steps));
+  }
+  int best = 0;
+  double best_time = 1.0;  // unsplit: one item's time
+  for (int k = 2; k <= kBwdSplitMaxParts && steps / k >= kBwdSplitMinSteps && split > 0; ++k) {
+    const double time = double(plan_detail::ceil_div(split * k, int64_t(sms))) / k;
+    if (time < best_time - 1e-9) best = k, best_time = time;
+  }
+  return best;
+}
+
+inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tuning = {}) {
   using plan_detail::ceil_div;
   const int block_m = bwd_block_m(kernel_hdim, bwd_plain(p));
   const int64_t rows = int64_t(p.batch) * p.heads * ceil_div(p.seqlen_q, block_m) * block_m;
@@ -329,6 +364,26 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& = {})
   plan.persistent = bwd_persistent(kernel_hdim) &&
                     (!p.deterministic || bwd_persistent_deterministic(kernel_hdim));
   plan.ctas = plan.persistent ? std::min(plan.items, std::max(p.num_sms, 1)) : plan.items;
+  // The split (bwd_split_parts): persistent default-mode calls of dense full attention, whose
+  // items all walk the same query tiles.
+  const bool dense = p.cu_seqlens_q == nullptr && p.cu_seqlens_k == nullptr &&
+                     p.seqused_q == nullptr && p.seqused_k == nullptr;
+  if (plan.persistent && !p.deterministic && !p.causal && p.window_left < 0 &&
+      p.window_right < 0 && dense && tuning.fa3_bwd_split != 0) {
+    const int64_t steps = int64_t(p.heads / std::max(p.heads_k, 1)) * ceil_div(p.seqlen_q, block_m);
+    int64_t split = 0;
+    const int parts = bwd_split_parts(items, std::max(p.num_sms, 1), steps,
+                                      tuning.fa3_bwd_split, split);
+    if (parts >= 2) {
+      plan.split_items = int(split);
+      plan.split_parts = parts;
+      plan.items = int(std::min<int64_t>(items + split * (parts - 1), INT_MAX));
+      plan.ctas = std::min(plan.items, std::max(p.num_sms, 1));
+      // Each split item's fp32 dK / dV (kBlockN x head dim each) and its parts' counter, zeroed
+      // with the dQ accumulator (fa3_bwd_launch.cuh: bwd_scratch).
+      plan.workspace_bytes += bwd_split_bytes(split, kernel_hdim);
+    }
+  }
   // Causal items differ in length (key tile n walks the query tiles from about n kBlockN /
   // kBlockM on), longest first within a pair. Taken pair by pair (the CTAs running at once
   // then share a few pairs' Q and dO in L2), the last pairs' long items would start when the

@@ -50,8 +50,11 @@ static_assert(uint32_t(FwdBarrier::ConsumerOwn) + 3 +
 // The backward's named barriers (fa3_bwd_kernel.cuh), the same way. dSFree / dSFull: the
 // consumers around the shared dS tile. Tails: the zeroed tail rows of a variable-length tile
 // are in place. dQFull + h / dQEmpty + h: staged dQ handoff h (BwdTraits::kdQHandoffs)
-// written by the consumers / read by the dQ writer's bulk add.
-enum class BwdBarrier : uint32_t { dSFree = 0, dSFull = 1, Tails = 2, dQFull = 3, dQEmpty = 5 };
+// written by the consumers / read by the dQ writer's bulk add. Parts: a split item's part
+// has added its dK / dV (fa3_bwd_epilogue.h: add_split_part; Tails' id, never at once).
+enum class BwdBarrier : uint32_t {
+  dSFree = 0, dSFull = 1, Tails = 2, Parts = 2, dQFull = 3, dQEmpty = 5
+};
 static_assert(uint32_t(BwdBarrier::dQEmpty) + 1 +
                   cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
               cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
@@ -85,6 +88,19 @@ CUTE_HOST_DEVICE constexpr auto acc_as_operand_a(Layout const& acc) {
 // Keeps the compiler from moving shared-memory accesses across CUTLASS's mbarrier waits and
 // arrives, whose asm has no memory clobber (the hardware ordering is the mbarriers').
 __device__ __forceinline__ void compiler_fence() { asm volatile("" ::: "memory"); }
+
+// A named barrier of `threads` (CUTLASS's user id `id`) that also ORs a flag over them.
+__device__ __forceinline__ bool barrier_or(int threads, uint32_t id, bool flag) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 q, %1, 0;\n"
+      " bar.red.or.pred p, %2, %3, q;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(any)
+      : "r"(uint32_t(flag)), "r"(id + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount),
+        "r"(threads)
+      : "memory");
+  return any != 0;
+}
 
 // Shared-memory GEMM operands' descriptor bases hidden from the compiler (an empty asm on each
 // one's low word) at the top of a loop that uses them: otherwise each k-block's descriptor,

@@ -9,7 +9,7 @@
 //        csrc/tools/fa3_bwd_harness.cu -o fa3_bwd_harness
 //   ./fa3_bwd_harness batch seqlen_q seqlen_k heads heads_k causal
 // Environment: FA3_ITERS=n times n launches (default 20); FA3_NO_REF=1 skips the reference
-// (slow at 16k) and reports the results as unchecked.
+// (slow at 16k) and reports the results as unchecked; FA3_SPLIT=k: Tuning::fa3_bwd_split.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -189,7 +189,13 @@ int main(int argc, char** argv) {
   bool all_ok = true;
   for (const bool deterministic : {false, true}) {
     p.deterministic = deterministic;
-    const flash::fa3::BwdPlan plan = flash::fa3::plan_bwd(p, kD);
+    flash::Tuning tuning;
+    if (getenv("FA3_SPLIT")) tuning.fa3_bwd_split = atoi(getenv("FA3_SPLIT"));
+    const flash::fa3::BwdPlan plan = flash::fa3::plan_bwd(p, kD, tuning);
+    if (plan.split_parts > 1) {
+      printf("plan: %d items, %d of them split in %d parts\n", plan.items, plan.split_items,
+             plan.split_parts);
+    }
     void* workspace;
     cudaMalloc(&workspace, size_t(plan.workspace_bytes));
     // poison: NaN in fp32 (the deterministic mode zeroes only its turn counters)

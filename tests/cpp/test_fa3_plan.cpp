@@ -155,11 +155,16 @@ int main() {
       return p;
     };
     const int64_t rows = 2 * 6 * 1024;  // batch 2, 6 heads, 1000 rows padded to 1024
-    const BwdPlan plain = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128);
+    FwdParams left = call(2, 1000, 1500, 6, 2);
+    left.window_left = 200;
+    Tuning no_split;
+    no_split.fa3_bwd_split = 0;
+    const BwdPlan plain = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128, no_split);
     CHECK(plain.dq_copies == 1 && plain.workspace_bytes == rows * (128 + 2) * 4 + 16);
+    CHECK(plain.items == 48 && plain.split_parts == 1 && plain.split_items == 0);
     CHECK(plain.block_m == 64);
     // Plain calls at head dim 64: 96-row steps, scratch rows padded to 1056.
-    const BwdPlan plain64 = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 64);
+    const BwdPlan plain64 = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 64, no_split);
     CHECK(plain64.block_m == 96 && plain64.workspace_bytes == 2 * 6 * 1056 * (64 + 2) * 4 + 16);
     // Causal calls from kBwdPlainCausalRows query rows (the diagonal's straddled key tiles
     // cost more than the fewer steps save below); windowed ones never.
@@ -175,7 +180,7 @@ int main() {
     CHECK(plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 96).block_m == 64);
     CHECK(plain.items == 12 * 2 * 2 && plain.ctas == plain.items);  // 1500 keys: 12 tiles
     CHECK(plain.persistent);
-    const BwdPlan wide = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 256);
+    const BwdPlan wide = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 256, no_split);
     CHECK(wide.items == 24 * 2 * 2 && wide.ctas == wide.items && wide.persistent);
     CHECK(!plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 192).persistent);
     const BwdPlan many = plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 64);
@@ -213,12 +218,42 @@ int main() {
     FwdParams sliding = causal(call(4, 4096, 4096, 16, 16));
     sliding.window_left = 512;
     CHECK(plan_bwd(bwd(sliding, false), 128).tail_pairs == 1);
+    // Full attention's last partial wave split by query tiles (bwd_split_parts): k parts of
+    // at least 8 steps minimising ceil(R k / 132) / k. 128 at 16k tokens: 2048 items leave
+    // R = 68; 4k (64 steps) in 7 parts, 2k (32 steps) in 3, 1k (16 steps: 2 parts would not
+    // shorten the wave) none. 64 at 8k: 4096 items leave 4, 8 parts (86 steps of 96 rows);
+    // at 4k 5 (43 steps). The split region after the item counter: a counter a split item
+    // (16-byte aligned), then its fp32 dK and dV.
+    const BwdPlan split4k = plan_bwd(bwd(call(4, 4096, 4096, 16, 16), false), 128);
+    CHECK(split4k.split_items == 68 && split4k.split_parts == 7);
+    CHECK(split4k.items == 2048 + 68 * 6 && split4k.ctas == 132);
+    CHECK(split4k.workspace_bytes ==
+          4 * 16 * 4096 * (128 + 2) * 4 + 16 + 272 + int64_t(68) * 2 * 128 * 128 * 4);
+    CHECK(plan_bwd(bwd(call(8, 2048, 2048, 16, 16), false), 128).split_parts == 3);
+    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128).split_parts == 1);
+    CHECK(plan_bwd(bwd(call(2, 8192, 8192, 32, 32), false), 64).split_parts == 8);
+    CHECK(plan_bwd(bwd(call(4, 4096, 4096, 32, 32), false), 64).split_parts == 5);
+    CHECK(plan_bwd(bwd(call(4, 4096, 4096, 8, 8), false), 256).split_parts == 7);
+    // A call of fewer items than SMs: all of them, 48 items x 5 parts (2 a CTA, 2 / 5 of an
+    // item's time). Forced parts (Tuning::fa3_bwd_split), at most one a step.
+    const BwdPlan few_items = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128);
+    CHECK(few_items.split_items == 48 && few_items.split_parts == 5 && few_items.items == 240);
+    Tuning forced;
+    forced.fa3_bwd_split = 3;
+    CHECK(plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128, forced).split_parts == 3);
+    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128, forced).split_parts == 3);
+    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128, forced).split_items == 68);
+    forced.fa3_bwd_split = 100;
+    CHECK(plan_bwd(bwd(call(1, 64, 1500, 1, 1), false), 128, forced).split_parts == 1);
+    // None where items differ or are not persistent: causal, windowed, deterministic, 192.
+    CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 16, 16)), false), 128).split_parts == 1);
+    CHECK(plan_bwd(bwd(left, false), 128).split_parts == 1);
+    CHECK(plan_bwd(bwd(call(4, 4096, 4096, 16, 16), true), 128).split_parts == 1);
+    CHECK(plan_bwd(bwd(call(4, 4096, 4096, 10, 10), false), 192).split_parts == 1);
     // 2^31 items or more: refused (the kernel's item indices are 32-bit).
     CHECK(plan_error(plan_bwd(bwd(call(1 << 16, 64, 1 << 16, 256, 256), false), 128)));
     // 1.5 * 2^30 items, a CTA each: accepted (only a persistent grid counts past its items).
     CHECK(!plan_error(plan_bwd(bwd(call(1 << 16, 64, 96 * 64, 256, 256), false), 192)));
-    FwdParams left = call(2, 1000, 1500, 6, 2);
-    left.window_left = 200;
     CHECK(plan_bwd(bwd(left, true), 128).dq_copies == 3);
     FwdParams right = left;
     right.window_right = 40;
