@@ -326,7 +326,9 @@ constexpr int kBwdTailItems = 2;
 // (fa3_bwd_epilogue.h: add_split_part). The parts: k from 2 to kBwdSplitMaxParts minimising
 // the last wave's time, ceil(R k / SMs) / k of an item's (R the last wave's items), each with
 // kBwdSplitMinSteps steps or more, so that their fixed cost (K / V in, the pipeline's fill, the
-// fp32 adds) stays small beside their steps; 0: no split. forced > 0 (Tuning::fa3_bwd_split):
+// fp32 adds) stays small beside their steps. Harness, H200, 16k tokens: 128 +0.3..+2.3% at 4k,
+// +1.7..+2.1% at 16k, level at 1k / 2k; 64 +0.8..+3.0% from 2k; 256 +1.1..+2.0% from 8k
+// (docs/fa3_decisions.md). 0: no split. forced > 0 (Tuning::fa3_bwd_split):
 // that many parts (at most one a step), the last wave being all items when it is a full one.
 constexpr int kBwdSplitMaxParts = 8, kBwdSplitMinSteps = 8;
 inline int bwd_split_parts(int64_t items, int sms, int64_t steps, int forced, int64_t& split) {
