@@ -197,20 +197,24 @@ struct BwdEpilogue {
   template <class Acc>
   static __device__ __forceinline__ bool add_split_part(const BwdScratch& s, int item, int cw,
                                                         Acc& acc_dk, Acc& acc_dv) {
-    constexpr int kVecs = decltype(size(acc_dk))::value / 4;  // float4s of one a thread
-    const int split = (item - s.split_first) / s.split_parts;
+    constexpr int kVecs = decltype(size(acc_dk))::value / 4;  // a thread's float4s of dK (of dV)
+    const int index = (item - s.split_first) / s.split_parts;  // the split item's
     float4* const sums = reinterpret_cast<float4*>(s.split_acc) +
-                         (int64_t(split) * 2 + cw) * 2 * kVecs * 128 + threadIdx.x % 128;
+                         (int64_t(index) * 2 + cw) * 2 * kVecs * 128 + threadIdx.x % 128;
     CUTE_UNROLL
     for (int j = 0; j < kVecs; ++j) {
-      red_add(sums + j * 128, acc_dk(4 * j), acc_dk(4 * j + 1), acc_dk(4 * j + 2), acc_dk(4 * j + 3));
+      red_add(sums + j * 128, acc_dk(4 * j), acc_dk(4 * j + 1), acc_dk(4 * j + 2),
+              acc_dk(4 * j + 3));
       red_add(sums + (kVecs + j) * 128, acc_dv(4 * j), acc_dv(4 * j + 1), acc_dv(4 * j + 2),
               acc_dv(4 * j + 3));
     }
     __threadfence();
     cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Parts));
     bool last = false;
-    if (threadIdx.x == 128) last = atomicAdd(s.split_count + split, 1u) == unsigned(s.split_parts - 1);
+    if (threadIdx.x == 128) {
+      last = atomicAdd(s.split_count + index, 1u) == unsigned(s.split_parts - 1);
+    }
+    __syncwarp();  // converged at the barrier (bar.red is .aligned)
     // The OR is the same in every thread; the shuffle tells the compiler so. Without it the
     // consumers' item loop counts as divergent after the caller's branch on it, and the steps'
     // descriptors, barrier addresses and masks left the uniform registers (-8% a step at 128).
@@ -220,8 +224,10 @@ struct BwdEpilogue {
     CUTE_UNROLL
     for (int j = 0; j < kVecs; ++j) {
       const float4 k = __ldcg(sums + j * 128), v = __ldcg(sums + (kVecs + j) * 128);
-      acc_dk(4 * j) = k.x, acc_dk(4 * j + 1) = k.y, acc_dk(4 * j + 2) = k.z, acc_dk(4 * j + 3) = k.w;
-      acc_dv(4 * j) = v.x, acc_dv(4 * j + 1) = v.y, acc_dv(4 * j + 2) = v.z, acc_dv(4 * j + 3) = v.w;
+      acc_dk(4 * j) = k.x, acc_dk(4 * j + 1) = k.y, acc_dk(4 * j + 2) = k.z;
+      acc_dk(4 * j + 3) = k.w;
+      acc_dv(4 * j) = v.x, acc_dv(4 * j + 1) = v.y, acc_dv(4 * j + 2) = v.z;
+      acc_dv(4 * j + 3) = v.w;
     }
     return true;
   }

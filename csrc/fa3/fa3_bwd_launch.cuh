@@ -60,8 +60,8 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
   // The accumulator, the item counter and the split items' region (contiguous), or in
   // deterministic mode the turn counters (fa3_bwd_prep.cuh: the first add of a tile stores),
-  // and the item counter where the plan is persistent: a memset writes at the memory's rate, which the preprocess's
-  // stores, interleaved with its loads, did not reach.
+  // and the item counter where the plan is persistent: a memset writes at the memory's rate,
+  // which the preprocess's stores, interleaved with its loads, did not reach.
   if (s.dq_turns == nullptr) {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
         s.dq, 0,

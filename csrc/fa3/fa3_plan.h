@@ -325,21 +325,27 @@ constexpr int kBwdTailItems = 2;
 // of its own (fa3_bwd_items.h), whose fp32 dK / dV the last part to finish sums and stores
 // (fa3_bwd_epilogue.h: add_split_part). The parts: k from 2 to kBwdSplitMaxParts minimising
 // the last wave's time, ceil(R k / SMs) / k of an item's (R the last wave's items), each with
-// kBwdSplitMinSteps steps or more, so that their fixed cost (K / V in, the pipeline's fill, the
-// fp32 adds) stays small beside their steps. Harness, H200, 16k tokens: 128 +0.3..+2.3% at 4k,
-// +1.7..+2.1% at 16k, level at 1k / 2k; 64 +0.8..+3.0% from 2k; 256 +1.1..+2.0% from 8k
-// (docs/fa3_decisions.md). 0: no split. forced > 0 (Tuning::fa3_bwd_split):
-// that many parts (at most one a step), the last wave being all items when it is a full one.
+// kBwdSplitMinSteps steps or more (heads_per_kv x its share of the q_tiles query tiles, the
+// part's cut), so that their fixed cost (K / V in, the pipeline's fill, the fp32 adds) stays
+// small beside their steps. Harness, H200, 16k tokens: 128 +0.3..+2.3% at 4k, +1.7..+2.1% at
+// 16k, level at 1k / 2k; 64 +0.8..+3.0% from 2k; 256 +1.1..+2.0% from 8k (docs/fa3_decisions.md).
+// The parts' fp32 adds come in any order, so a split item's dK / dV may differ in the last bit
+// from run to run (as dQ's does in default mode). 0: no split. forced > 0
+// (Tuning::fa3_bwd_split): that many parts (at most one a query tile), the last wave being all
+// items when it is a full one.
 constexpr int kBwdSplitMaxParts = 8, kBwdSplitMinSteps = 8;
-inline int bwd_split_parts(int64_t items, int sms, int64_t steps, int forced, int64_t& split) {
+inline int bwd_split_parts(int64_t items, int sms, int heads_per_kv, int64_t q_tiles, int forced,
+                           int64_t& split) {
   split = items % sms;
   if (forced > 0) {
     if (split == 0) split = std::min<int64_t>(items, sms);
-    return int(std::min<int64_t>(forced, steps));
+    return int(std::min<int64_t>(forced, q_tiles));
   }
   int best = 0;
   double best_time = 1.0;  // unsplit: one item's time
-  for (int k = 2; k <= kBwdSplitMaxParts && steps / k >= kBwdSplitMinSteps && split > 0; ++k) {
+  for (int k = 2; k <= kBwdSplitMaxParts && heads_per_kv * (q_tiles / k) >= kBwdSplitMinSteps &&
+                  split > 0;
+       ++k) {
     const double time = double(plan_detail::ceil_div(split * k, int64_t(sms))) / k;
     if (time < best_time - 1e-9) best = k, best_time = time;
   }
@@ -372,10 +378,9 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
                      p.seqused_q == nullptr && p.seqused_k == nullptr;
   if (plan.persistent && !p.deterministic && !p.causal && p.window_left < 0 &&
       p.window_right < 0 && dense && tuning.fa3_bwd_split != 0) {
-    const int64_t steps = int64_t(p.heads / std::max(p.heads_k, 1)) * ceil_div(p.seqlen_q, block_m);
     int64_t split = 0;
-    const int parts = bwd_split_parts(items, std::max(p.num_sms, 1), steps,
-                                      tuning.fa3_bwd_split, split);
+    const int parts = bwd_split_parts(items, std::max(p.num_sms, 1), p.heads / p.heads_k,
+                                      ceil_div(p.seqlen_q, block_m), tuning.fa3_bwd_split, split);
     if (parts >= 2) {
       plan.split_items = int(split);
       plan.split_parts = parts;

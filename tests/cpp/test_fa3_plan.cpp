@@ -245,6 +245,11 @@ int main() {
     CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128, forced).split_items == 68);
     forced.fa3_bwd_split = 100;
     CHECK(plan_bwd(bwd(call(1, 64, 1500, 1, 1), false), 128, forced).split_parts == 1);
+    // Parts cut the query tiles, not the heads of a group: one query tile (64 rows, GQA 64)
+    // gives no parts, forced or not; 4 tiles of GQA 8 at most 4 parts of 8 steps.
+    CHECK(plan_bwd(bwd(call(1, 64, 17408, 64, 1), false), 128).split_parts == 1);
+    CHECK(plan_bwd(bwd(call(1, 64, 17408, 64, 1), false), 128, forced).split_parts == 1);
+    CHECK(plan_bwd(bwd(call(1, 256, 17408, 64, 8), false), 128).split_parts == 4);
     // None where items differ or are not persistent: causal, windowed, deterministic, 192.
     CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 16, 16)), false), 128).split_parts == 1);
     CHECK(plan_bwd(bwd(left, false), 128).split_parts == 1);
