@@ -178,6 +178,22 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// dst[0 .. 4) += (a, b, c, d) in fp32 (dst 16-byte aligned; FA2's dQ fragments, FA3's split
+// dK / dV). On sm90 one vector reduction, not atomicAdd(float4*): that one is an ATOMG whose
+// (unused) result and branch around it cost more than the add; before it four atomics.
+__device__ __forceinline__ void red_add_v4(float* dst, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+  atomicAdd(dst + 2, c);
+  atomicAdd(dst + 3, d);
+#endif
+}
+
 // sm90 bulk reduce-add (FA2's and FA3's dQ accumulators): dst[0 .. bytes) += src[0 .. bytes),
 // fp32, shared -> global, as one bulk async-group (bytes a multiple of 16, both 16-byte
 // aligned). The writers of src order their stores before it with fence_proxy_async.

@@ -68,17 +68,7 @@ __device__ __forceinline__ void dq_atomic_add(float* dq_head, Acc const& acc, Co
   for_each_dq_fragment<kHeadDim>(acc, coord, [&](int offset, int m, int n) {
     const int i = m * size<2>(acc) + n;
     if (i < kFrags * part / parts || i >= kFrags * (part + 1) / parts) return;
-    float* dst = base + offset;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // A reduction, not atomicAdd(float4*): that one is an ATOMG whose (unused) result and
-    // branch around it cost more than the add.
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(acc(0, m, n)),
-                 "f"(acc(1, m, n)), "f"(acc(2, m, n)), "f"(acc(3, m, n))
-                 : "memory");
-#else
-#pragma unroll
-    for (int v = 0; v < 4; ++v) atomicAdd(dst + v, acc(v, m, n));
-#endif
+    red_add_v4(base + offset, acc(0, m, n), acc(1, m, n), acc(2, m, n), acc(3, m, n));
   });
 }
 

@@ -18,13 +18,6 @@
 
 namespace flash::fa3 {
 
-// An fp32 reduce-add of four floats into global memory (16-byte aligned).
-__device__ __forceinline__ void red_add(float4* dst, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b),
-               "f"(c), "f"(d)
-               : "memory");
-}
-
 // The deterministic mode's turns (the dQ writer's first thread). The proxy fences order the
 // bulk adds (the async proxy) after the acquire and before the release.
 __device__ __forceinline__ void dq_turn_wait(const int* counter, int turn) {
@@ -203,10 +196,10 @@ struct BwdEpilogue {
                          (int64_t(index) * 2 + cw) * 2 * kVecs * 128 + threadIdx.x % 128;
     CUTE_UNROLL
     for (int j = 0; j < kVecs; ++j) {
-      red_add(sums + j * 128, acc_dk(4 * j), acc_dk(4 * j + 1), acc_dk(4 * j + 2),
-              acc_dk(4 * j + 3));
-      red_add(sums + (kVecs + j) * 128, acc_dv(4 * j), acc_dv(4 * j + 1), acc_dv(4 * j + 2),
-              acc_dv(4 * j + 3));
+      red_add_v4(&sums[j * 128].x, acc_dk(4 * j), acc_dk(4 * j + 1), acc_dk(4 * j + 2),
+                 acc_dk(4 * j + 3));
+      red_add_v4(&sums[(kVecs + j) * 128].x, acc_dv(4 * j), acc_dv(4 * j + 1),
+                 acc_dv(4 * j + 2), acc_dv(4 * j + 3));
     }
     __threadfence();
     cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::Parts));

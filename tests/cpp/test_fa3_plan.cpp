@@ -235,7 +235,7 @@ int main() {
     CHECK(plan_bwd(bwd(call(4, 4096, 4096, 32, 32), false), 64).split_parts == 5);
     CHECK(plan_bwd(bwd(call(4, 4096, 4096, 8, 8), false), 256).split_parts == 7);
     // A call of fewer items than SMs: all of them, 48 items x 5 parts (2 a CTA, 2 / 5 of an
-    // item's time). Forced parts (Tuning::fa3_bwd_split), at most one a step.
+    // item's time). Forced parts (Tuning::fa3_bwd_split), at most one a query tile.
     const BwdPlan few_items = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128);
     CHECK(few_items.split_items == 48 && few_items.split_parts == 5 && few_items.items == 240);
     Tuning forced;
