@@ -341,10 +341,10 @@ inline int bwd_split_parts(int64_t items, int sms, int heads_per_kv, int64_t q_t
     if (split == 0) split = std::min<int64_t>(items, sms);
     return int(std::min<int64_t>(forced, q_tiles));
   }
+  if (split == 0) return 0;  // no partial wave
   int best = 0;
   double best_time = 1.0;  // unsplit: one item's time
-  for (int k = 2; k <= kBwdSplitMaxParts && heads_per_kv * (q_tiles / k) >= kBwdSplitMinSteps &&
-                  split > 0;
+  for (int k = 2; k <= kBwdSplitMaxParts && heads_per_kv * (q_tiles / k) >= kBwdSplitMinSteps;
        ++k) {
     const double time = double(plan_detail::ceil_div(split * k, int64_t(sms))) / k;
     if (time < best_time - 1e-9) best = k, best_time = time;
