@@ -220,10 +220,11 @@ __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 #endif
 }
-// Until the bulk groups this thread issued are complete (their writes done).
+// Until the bulk groups this thread issued are complete (their writes done), all but the last N.
+template <int N = 0>
 __device__ __forceinline__ void bulk_wait_complete() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 
