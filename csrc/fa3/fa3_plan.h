@@ -314,9 +314,10 @@ inline int64_t bwd_split_bytes(int64_t split, int kernel_hdim) {
 // warps, which convert it from L2 while the steps go on (fa3_bwd_epilogue.h: BwdConverter),
 // and the conversion pass only reads a counter for such a tile. The pass moved the whole fp32
 // accumulator and dQ through memory after the kernel: ~4.5% of head dim 128's call at 2k.
-// The wide tile's shared memory has no room for the converter's buffers.
+// The wide tile's shared memory has no room for the converter's buffers. Opt-in
+// (Tuning::fa3_bwd_fused_dq = 1) until it has run on a GPU.
 inline bool bwd_fused_dq(bool persistent, bool deterministic, int kernel_hdim, int tuning) {
-  return tuning != 0 && persistent && !deterministic && bwd_block_n(kernel_hdim) == 128;
+  return tuning > 0 && persistent && !deterministic && bwd_block_n(kernel_hdim) == 128;
 }
 // The workspace's arrival counters (BwdScratch::dq_arrivals), a query tile each, after the
 // split region (16-byte aligned as a block).
