@@ -395,8 +395,8 @@ def test_backward_split_tail(case, d, dtype):
 @pytest.mark.parametrize("d", [64, 96, 128])
 def test_backward_fused_dq(d, spec, fused, dtype):
     """dQ converted in the main kernel, each query tile by its last adder's CTA (fa3_plan.h:
-    bwd_fused_dq, the default of the persistent default mode up to head dim 128), or by the pass
-    after it (the private fa3_bwd_fused_dq=0). More items than twice the SMs, so that CTAs take
+    bwd_fused_dq: the persistent default mode up to head dim 128, switched on by the private
+    fa3_bwd_fused_dq=1), or by the pass after it (fa3_bwd_fused_dq=0). More items than twice the SMs, so that CTAs take
     several and their converters see tiles of many heads; 1000 rows (a partial last tile; at
     head dim 64 full attention walks 96 rows a step, dQ^T), 1999 keys, GQA 3. Against the
     reference."""
