@@ -272,6 +272,7 @@ struct BwdConverter {
           }
         }
       }
+      __syncwarp();  // converged at the barrier (bar.sync is .aligned)
       cutlass::arch::NamedBarrier::sync(kThreads, uint32_t(BwdBarrier::Convert));
       if (u == 0 && c + kStages < kChunks) issue(c + kStages);
     }

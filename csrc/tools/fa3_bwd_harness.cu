@@ -10,7 +10,7 @@
 //   ./fa3_bwd_harness batch seqlen_q seqlen_k heads heads_k causal
 // Environment: FA3_ITERS=n times n launches (default 20); FA3_NO_REF=1 skips the reference
 // (slow at 16k) and reports the results as unchecked; FA3_SPLIT=k: Tuning::fa3_bwd_split;
-// FA3_FUSED=0: Tuning::fa3_bwd_fused_dq (dQ converted by the pass, not in the kernel).
+// FA3_FUSED=1 / 0: Tuning::fa3_bwd_fused_dq (dQ converted in the kernel, or by the pass).
 #include <cuda_bf16.h>
 
 #include <cmath>
