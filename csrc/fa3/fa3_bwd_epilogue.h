@@ -27,11 +27,11 @@ __device__ __forceinline__ void dq_turn_wait(const int* counter, int turn) {
     if (seen == turn) break;
     __nanosleep(32);
   }
-  asm volatile("fence.proxy.async.global;" ::: "memory");
+  fence_proxy_async_global();
 }
 __device__ __forceinline__ void dq_turn_pass(int* counter) {
   bulk_wait_complete();
-  asm volatile("fence.proxy.async.global;" ::: "memory");
+  fence_proxy_async_global();
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
 
@@ -157,7 +157,7 @@ struct BwdConverter {
     // The proxy fence orders the complete bulk add (the async proxy) before the count; the
     // count's acquire makes the other adders' adds visible to the last one.
     __device__ __forceinline__ void count(const BwdScratch& s, Shared& shared) {
-      asm volatile("fence.proxy.async.global;" ::: "memory");
+      fence_proxy_async_global();
       int before;
       asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
                    : "=r"(before)
@@ -172,16 +172,9 @@ struct BwdConverter {
       const int k = posted % kQueue;
       const uint32_t free_parity = ((posted / kQueue) & 1) ^ 1;  // all free at the start
       if (wait) {
-        bulk_wait(&shared.conv_empty[k], free_parity);
-      } else {
-        uint32_t ready;
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            "selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(ready)
-            : "r"(smem_addr(&shared.conv_empty[k])), "r"(free_parity)
-            : "memory");
-        if (!ready) return false;
+        cutlass::arch::ClusterBarrier::wait(&shared.conv_empty[k], free_parity);
+      } else if (!cutlass::arch::ClusterBarrier::test_wait(&shared.conv_empty[k], free_parity, 1)) {
+        return false;
       }
       compiler_fence();
       shared.conv_tile[k] = tile;
@@ -199,7 +192,7 @@ struct BwdConverter {
     int chunks = 0;  // chunks read so far: the next one's stage and phase
     #pragma unroll 1
     for (int k = 0;; ++k) {
-      bulk_wait(&shared.conv_full[k % kQueue], (k / kQueue) & 1);
+      cutlass::arch::ClusterBarrier::wait(&shared.conv_full[k % kQueue], (k / kQueue) & 1);
       compiler_fence();
       const int tile = shared.conv_tile[k % kQueue];
       if (tile < 0) break;
@@ -232,7 +225,7 @@ struct BwdConverter {
     };
     if (u == 0) {
       // The writer's acquire of the adds (handed over by conv_full) before the bulk reads.
-      asm volatile("fence.proxy.async.global;" ::: "memory");
+      fence_proxy_async_global();
       CUTE_UNROLL
       for (int c = 0; c < kStages && c < kChunks; ++c) issue(c);
     }

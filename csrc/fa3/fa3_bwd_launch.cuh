@@ -61,17 +61,14 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   constexpr bool kPlainOnly = Tr::kBlockM != bwd_block_m(kHeadDim, false);
   const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
-  // The accumulator, the item counter, the split items' region and the arrival counters
-  // (contiguous), or in
-  // deterministic mode the turn counters (fa3_bwd_prep.cuh: the first add of a tile stores),
-  // and the item counter where the plan is persistent: a memset writes at the memory's rate,
-  // which the preprocess's stores, interleaved with its loads, did not reach.
+  // The accumulator, the item counter, the split items' region and the arrival counters (all
+  // before lse2, bwd_scratch), or in deterministic mode the turn counters (fa3_bwd_prep.cuh:
+  // the first add of a tile stores), and the item counter where the plan is persistent: a
+  // memset writes at the memory's rate, which the preprocess's stores, interleaved with its
+  // loads, did not reach.
   if (s.dq_turns == nullptr) {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
-        s.dq, 0,
-        size_t(s.dq_copy_stride) * s.dq_copies * 4 + kBwdCounterBytes +
-            size_t(bwd_split_bytes(plan.split_items, kHeadDim)) +
-            size_t(plan.fused_dq ? bwd_arrival_bytes(rows / Tr::kBlockM) : 0),
+        s.dq, 0, size_t(reinterpret_cast<char*>(s.lse2) - reinterpret_cast<char*>(s.dq)),
         stream));
   } else {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
