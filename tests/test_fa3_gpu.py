@@ -388,26 +388,6 @@ def test_backward_split_tail(case, d, dtype):
           fa(attn, tuning=dict(fa3_bwd_split=parts)), attn)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fused", [1, 0], ids=["in-kernel", "pass"])
-@pytest.mark.parametrize("spec", [{}, dict(causal=True), dict(window_size=(100, 30), softcap=5.0)],
-                         ids=["full", "causal", "window-softcap"])
-@pytest.mark.parametrize("d", [64, 96, 128])
-def test_backward_fused_dq(d, spec, fused, dtype):
-    """dQ converted in the main kernel, each query tile by its last adder's CTA (fa3_plan.h:
-    bwd_fused_dq: the persistent default mode up to head dim 128, switched on by the private
-    fa3_bwd_fused_dq=1), or by the pass after it (fa3_bwd_fused_dq=0). More items than twice the SMs, so that CTAs take
-    several and their converters see tiles of many heads; 1000 rows (a partial last tile; at
-    head dim 64 full attention walks 96 rows a step, dQ^T), 1999 keys, GQA 3. Against the
-    reference."""
-    skip_unless_built(dtype, d)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    b, sq, sk, h, hk = 2 * sms // (16 * 3) + 1, 1000, 1999, 6, 3
-    attn = attn_args(spec, b, h)
-    check(qkv(b, sq, sk, h, hk, d, dtype), "qkv", dtype,
-          fa(attn, tuning=dict(fa3_bwd_fused_dq=fused)), attn)
-
-
 def _backward_agrees_with_fa2(b, sq, sk, h, hk, d, dtype, causal, window=None, softcap=0.0,
                               deterministic=False):
     """fa3's and fa2's backward of an fa3 forward, on the same inputs, O and LSE: dq, dk, dv

@@ -179,7 +179,8 @@ __device__ __forceinline__ void fence_proxy_async() {
 }
 
 // The same for global memory: this thread's generic-proxy accesses ordered with its async-proxy
-// ones (bulk adds made complete before a release; bulk reads after an acquire).
+// ones (fa3's deterministic dQ turns: bulk adds issued after an acquire, complete before a
+// release).
 __device__ __forceinline__ void fence_proxy_async_global() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
@@ -228,11 +229,10 @@ __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 #endif
 }
-// Until the bulk groups this thread issued are complete (their writes done), all but the last N.
-template <int N = 0>
+// Until the bulk groups this thread issued are complete (their writes done).
 __device__ __forceinline__ void bulk_wait_complete() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 #endif
 }
 

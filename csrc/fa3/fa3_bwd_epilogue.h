@@ -97,181 +97,6 @@ __device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const BwdScrat
   return t;
 }
 
-// The narrow tile's dQ conversion in the main kernel (BwdPlan::fused_dq). The dQ writer counts
-// each of its adds in the query tile's arrival counter once the add is complete (a step late,
-// when it is: the wait costs nothing); the key tile whose count is the tile's last posts the
-// tile to the converter, the producer warpgroup's idle warps 2-3, through a queue of
-// kConvQueue mbarrier pairs, or leaves it to the conversion pass when the queue is full, so
-// that a slow converter never holds back the writer and, through its staging buffers, the
-// steps. (In full attention the CTA that started a head's walk last adds last into every tile
-// it walks.) The converter reads the tile from L2 in bulk copies of kConvChunkBytes and stores
-// dQ as the pass does (fa3_bwd_prep.cuh: times softmax_scale, in the output dtype).
-template <class Tr>
-struct BwdConverter {
-  using Shared = typename Tr::SharedStorage;
-  static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kQueue = Tr::kConvQueue;
-  static constexpr int kThreads = 64;  // warps 2-3
-  static constexpr int kChunkFloats = Tr::kConvChunkBytes / 4;
-  static constexpr int kChunkRows = kChunkFloats / 512;  // rows of 128 float4 (dq_slot's order)
-
-  static __device__ __forceinline__ void init(Shared& shared) {  // thread 0, before the sync
-    for (int k = 0; k < kQueue; ++k) {
-      cutlass::arch::ClusterBarrier::init(&shared.conv_full[k], 1);
-      cutlass::arch::ClusterBarrier::init(&shared.conv_empty[k], 1);
-    }
-    for (int k = 0; k < Tr::kConvStages; ++k) bulk_barrier_init(&shared.chunk_full[k]);
-  }
-
-  // The key tiles that add into query tile m of the mask's sequence, n_block one of them: in
-  // full attention all the sequence's key tiles; else from the first to the last walking it.
-  static __device__ __forceinline__ int adders(const Mask& mask, int m, int n_block) {
-    if (mask.left < 0 && mask.right < 0) return div_up(mask.seqlen_k, kBlockN);
-    return last_key_tile_of<kBlockM, kBlockN>(mask, m, n_block) -
-           first_key_tile_of<kBlockM, kBlockN>(mask, m, n_block) + 1;
-  }
-
-  // The dQ writer's leader's side.
-  struct Writer {
-    int pending = -1, pending_adders = 0;  // the tile of its newest add, not yet counted
-    int posted = 0;                        // tiles posted to the queue
-
-    // An add into tile `tile` issued (the newest bulk group): the add before it is complete
-    // once all but the newest group are, and is counted.
-    __device__ __forceinline__ void added(const BwdScratch& s, Shared& shared, int tile,
-                                          int adders) {
-      if (pending >= 0) {
-        bulk_wait_complete<1>();
-        count(s, shared);
-      }
-      pending = tile;
-      pending_adders = adders;
-    }
-    // After the CTA's last add: count it and end the converter's queue.
-    __device__ __forceinline__ void finish(const BwdScratch& s, Shared& shared) {
-      if (pending >= 0) {
-        bulk_wait_complete();
-        count(s, shared);
-      }
-      post(shared, -1, true);
-    }
-    // The proxy fence orders the complete bulk add (the async proxy) before the count; the
-    // count's acquire makes the other adders' adds visible to the last one.
-    __device__ __forceinline__ void count(const BwdScratch& s, Shared& shared) {
-      fence_proxy_async_global();
-      int before;
-      asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
-                   : "=r"(before)
-                   : "l"(s.dq_arrivals + pending)
-                   : "memory");
-      if (before == pending_adders - 1 && post(shared, pending, false)) {
-        s.dq_arrivals[pending] = -1;  // the pass skips it
-      }
-    }
-    // Tile into the queue (-1: the end), if a slot is free or `wait`.
-    __device__ __forceinline__ bool post(Shared& shared, int tile, bool wait) {
-      const int k = posted % kQueue;
-      const uint32_t free_parity = ((posted / kQueue) & 1) ^ 1;  // all free at the start
-      if (wait) {
-        cutlass::arch::ClusterBarrier::wait(&shared.conv_empty[k], free_parity);
-      } else if (!cutlass::arch::ClusterBarrier::test_wait(&shared.conv_empty[k], free_parity, 1)) {
-        return false;
-      }
-      compiler_fence();
-      shared.conv_tile[k] = tile;
-      compiler_fence();
-      cutlass::arch::ClusterBarrier::arrive(&shared.conv_full[k]);
-      ++posted;
-      return true;
-    }
-  };
-
-  // The converter (threads 64-127) until the writer's end of the queue.
-  static __device__ __forceinline__ void run(const BwdParams& p, const BwdScratch& s,
-                                             Shared& shared) {
-    const int u = threadIdx.x - 64;
-    int chunks = 0;  // chunks read so far: the next one's stage and phase
-    #pragma unroll 1
-    for (int k = 0;; ++k) {
-      cutlass::arch::ClusterBarrier::wait(&shared.conv_full[k % kQueue], (k / kQueue) & 1);
-      compiler_fence();
-      const int tile = shared.conv_tile[k % kQueue];
-      if (tile < 0) break;
-      convert(p, s, shared, tile, chunks, u);
-      chunks += Tr::kConvChunks;
-      if (u == 0) cutlass::arch::ClusterBarrier::arrive(&shared.conv_empty[k % kQueue]);
-    }
-  }
-
-  // Tile `tile` of the accumulator: chunk c through stage (chunks + c) % 2, two in flight.
-  static __device__ __forceinline__ void convert(const BwdParams& p, const BwdScratch& s,
-                                                 Shared& shared, int tile, int chunks, int u) {
-    static_assert(Tr::kConverter && kChunkFloats % 512 == 0);
-    using T = typename Tr::Raw;
-    constexpr int kStages = Tr::kConvStages, kChunks = Tr::kConvChunks;
-    const int tiles_per_head = int(s.rows_pad / kBlockM);
-    const int bh = tile / tiles_per_head, m_tile = tile % tiles_per_head;
-    const int h = bh % p.heads;
-    const SeqInfo seq(p, bh / p.heads);
-    const int rows = seq.rows_q(p) - m_tile * kBlockM;  // of the tile's
-    T* const dq = static_cast<T*>(p.dq) + seq.dq_offset(p, h) +
-                  int64_t(m_tile) * kBlockM * p.dq_strides.row;
-    const float* const src = s.dq + int64_t(tile) * kBlockM * Tr::kHeadDim;
-    auto issue = [&](int c) {
-      const int stage = (chunks + c) % kStages;
-      fence_proxy_async();  // the stage's reads, before the barrier, ahead of the copy's writes
-      bulk_expect(&shared.chunk_full[stage], Tr::kConvChunkBytes);
-      bulk_copy(shared.conv + stage * kChunkFloats, src + c * kChunkFloats,
-                Tr::kConvChunkBytes, &shared.chunk_full[stage]);
-    };
-    if (u == 0) {
-      // The writer's acquire of the adds (handed over by conv_full) before the bulk reads.
-      fence_proxy_async_global();
-      CUTE_UNROLL
-      for (int c = 0; c < kStages && c < kChunks; ++c) issue(c);
-    }
-    // Float4 j of the dQ MMA's thread t holds (m, n) = (l / 4 + 16 w + 8 (k / 2), 8 j + 2 (l % 4)
-    // + k % 2) for its values k (lane l, warp w; the layout the pass reads through CuTe):
-    // (row, column) of dQ, or (column, row) for dQ^T. This thread takes t = u and u + 64.
-    const int m0 = u % 32 / 4 + 16 * (u / 32), n0 = 2 * (u % 4);
-    const float scale = p.softmax_scale;
-    const int64_t stride = p.dq_strides.row;
-    #pragma unroll 1
-    for (int c = 0; c < kChunks; ++c) {
-      const int stage = (chunks + c) % kStages;
-      bulk_wait(&shared.chunk_full[stage], ((chunks + c) / kStages) & 1);
-      const float4* buf = reinterpret_cast<const float4*>(shared.conv + stage * kChunkFloats);
-      #pragma unroll 1
-      for (int rr = 0; rr < kChunkRows; ++rr) {
-        const int row = c * kChunkRows + rr;  // slot row / kVecs (narrow: the part), j
-        const int part = row / Tr::kdQPartVecs, j = row % Tr::kdQPartVecs;
-        CUTE_UNROLL
-        for (int half = 0; half < 2; ++half) {
-          const float4 v = buf[rr * 128 + u + 64 * half];
-          const int m = m0 + 32 * half, n = 8 * j + n0;
-          if constexpr (Tr::kdQT) {  // m: the column, n: the row within the part's rows
-            const int r = Tr::dq_part_row0(part) + n;
-            T* const d = dq + int64_t(r) * stride + m;
-            if (r < rows && m < p.head_dim) store1(d, v.x * scale);
-            if (r + 1 < rows && m < p.head_dim) store1(d + stride, v.y * scale);
-            if (r < rows && m + 8 < p.head_dim) store1(d + 8, v.z * scale);
-            if (r + 1 < rows && m + 8 < p.head_dim) store1(d + stride + 8, v.w * scale);
-          } else {  // m: the row, n: the column within the part's columns
-            const int col = Tr::dq_part_col0(part) + n;
-            if (col < p.head_dim) {
-              T* const d = dq + int64_t(m) * stride + col;
-              if (m < rows) store2(d, v.x * scale, v.y * scale);
-              if (m + 8 < rows) store2(d + 8 * stride, v.z * scale, v.w * scale);
-            }
-          }
-        }
-      }
-      __syncwarp();  // converged at the barrier (bar.sync is .aligned)
-      cutlass::arch::NamedBarrier::sync(kThreads, uint32_t(BwdBarrier::Convert));
-      if (u == 0 && c + kStages < kChunks) issue(c + kStages);
-    }
-  }
-};
-
 template <class Tr>
 struct BwdEpilogue {
   static constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
@@ -291,11 +116,6 @@ struct BwdEpilogue {
     constexpr uint32_t kEmpty = uint32_t(BwdBarrier::dQEmpty);
     const int64_t rows_q = s.rows_pad;
     const bool leader = threadIdx.x == 32;
-    // The fused conversion's counts (BwdConverter): the narrow persistent kernels.
-    using Converter = BwdConverter<Tr>;
-    constexpr bool kConverter = Tr::kConverter && kPersistent;
-    const bool fused = kConverter && s.dq_arrivals != nullptr;
-    typename Converter::Writer conv;
     for (int h = 0; h < Tr::kdQHandoffs; ++h) NamedBarrier::arrive(kdQBarrierThreads, kEmpty + h);
     int b = 0;
     #pragma unroll 1
@@ -354,20 +174,10 @@ struct BwdEpilogue {
             }
             __syncwarp();
             NamedBarrier::arrive(kdQBarrierThreads, kEmpty + b);
-            if constexpr (kConverter) {
-              if (fused && leader) {
-                conv.added(s, shared, int(head_row / kBlockM) + m,
-                           Converter::adders(w.mask, m, w.it.n_block));
-              }
-              __syncwarp();
-            }
             b ^= 1;
           }
         }
       }
-    }
-    if constexpr (kConverter) {
-      if (fused && leader) conv.finish(s, shared);
     }
     if (leader) bulk_wait_complete();  // done before the CTA's shared memory goes
   }

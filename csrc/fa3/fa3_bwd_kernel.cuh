@@ -88,7 +88,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full[k], 1);
       cutlass::arch::ClusterBarrier::init(&shared.kv_empty[k], 256 + 32);  // consumers, writer
     }
-    if constexpr (Tr::kConverter && kPersistent) BwdConverter<Tr>::init(shared);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -98,12 +97,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (threadIdx.x / 32 == 1) {
       BwdEpilogue<Tr>::template write_dq<kPersistent>(p, s, shared);
       return;
-    }
-    if constexpr (Tr::kConverter && kPersistent) {
-      if (threadIdx.x / 32 >= 2) {  // the fused dQ conversion's (BwdConverter)
-        if (s.dq_arrivals != nullptr) BwdConverter<Tr>::run(p, s, shared);
-        return;
-      }
     }
     if (threadIdx.x != 0) return;
     auto state_q = cutlass::make_producer_start_state<PipelineQ>();

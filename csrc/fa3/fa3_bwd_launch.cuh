@@ -42,10 +42,7 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
   s.split_first = plan.items - plan.split_items * plan.split_parts;
   s.split_count = reinterpret_cast<unsigned*>(after_dq + kBwdCounterBytes / sizeof(float));
   s.split_acc = after_dq + (kBwdCounterBytes + bwd_split_counter_bytes(plan.split_items)) / 4;
-  float* const after_split =
-      after_dq + (kBwdCounterBytes + bwd_split_bytes(plan.split_items, kernel_hdim)) / 4;
-  s.dq_arrivals = plan.fused_dq ? reinterpret_cast<int*>(after_split) : nullptr;
-  s.lse2 = after_split + (plan.fused_dq ? bwd_arrival_bytes(rows / plan.block_m) / 4 : 0);
+  s.lse2 = after_dq + (kBwdCounterBytes + bwd_split_bytes(plan.split_items, kernel_hdim)) / 4;
   s.dsum = s.lse2 + rows;
   s.dq_turns = p.deterministic ? reinterpret_cast<int*>(s.dsum + rows) : nullptr;
   return s;
@@ -61,11 +58,10 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   constexpr bool kPlainOnly = Tr::kBlockM != bwd_block_m(kHeadDim, false);
   const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
-  // The accumulator, the item counter, the split items' region and the arrival counters (all
-  // before lse2, bwd_scratch), or in deterministic mode the turn counters (fa3_bwd_prep.cuh:
-  // the first add of a tile stores), and the item counter where the plan is persistent: a
-  // memset writes at the memory's rate, which the preprocess's stores, interleaved with its
-  // loads, did not reach.
+  // The accumulator, the item counter and the split items' region (all before lse2,
+  // bwd_scratch), or in deterministic mode the turn counters (fa3_bwd_prep.cuh: the first add
+  // of a tile stores), and the item counter where the plan is persistent: a memset writes at
+  // the memory's rate, which the preprocess's stores, interleaved with its loads, did not reach.
   if (s.dq_turns == nullptr) {
     FLASH_CHECK_CUDA(cudaMemsetAsync(
         s.dq, 0, size_t(reinterpret_cast<char*>(s.lse2) - reinterpret_cast<char*>(s.dq)),
@@ -113,8 +109,7 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   constexpr bool kP = bwd_persistent(kHeadDim);
   constexpr bool kPD = kP && bwd_persistent_deterministic(kHeadDim);
   const bool mod = p.softcap > 0.f || p.alibi_slopes != nullptr, dflt = !p.deterministic;
-  if (plan.persistent != (dflt ? kP : kPD) || (kPlainOnly && !bwd_plain(p)) ||
-      (plan.fused_dq && Tr::kWide)) {
+  if (plan.persistent != (dflt ? kP : kPD) || (kPlainOnly && !bwd_plain(p))) {
     throw std::runtime_error("flash_attn: fa3 backward: the plan is not this head dim's");
   }
   auto kernel = dflt ? bwd_kernel<Tr, Tma, false, kV, kP> : bwd_kernel<Tr, Tma, false, false, kPD>;
@@ -129,8 +124,6 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
     kernel<<<unsigned(plan.ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, tma, s);
     FLASH_CHECK_LAUNCH();
   }
-  // With the conversion in the main kernel (plan.fused_dq) the pass converts only the tiles it
-  // left (none added, or a busy converter: BwdConverter), reading the counters of the rest.
   const int64_t tiles = rows / Tr::kBlockM;
   const unsigned convert_blocks =
       unsigned(std::min<int64_t>(tiles, int64_t(std::max(p.num_sms, 1)) * 16));

@@ -10,9 +10,6 @@
 //          accumulators, or alone in deterministic mode
 //   split  the split items' part counters and fp32 dK / dV sums (BwdPlan::split_items), zeroed
 //          with the dq accumulators
-//   dq_arrivals  fused conversion only (BwdPlan::fused_dq): a counter per query tile of the
-//          key tiles whose adds are complete, -1 once the tile is handed to the kernel's
-//          converter; zeroed with the dq accumulator
 //   dq_turns  deterministic mode only: a counter per query tile (kBlockM rows) and copy
 //          (fa3_bwd_kernel.cuh), zeroed by a memset
 // and the conversion of the accumulator into dq (times softmax_scale, in the output dtype).
@@ -45,7 +42,6 @@ struct BwdScratch {
   int64_t dq_copy_stride;  // floats between two copies of the accumulator
   int dq_copies;
   int* dq_turns;     // nullptr unless deterministic
-  int* dq_arrivals;  // nullptr unless the plan's fused_dq
   int64_t rows_pad;  // per (batch, head)
   unsigned* next_item;  // items taken (past the CTAs' first, gridDim.x, unless counted)
   int items;            // (key tile, KV head, batch): BwdPlan's
@@ -158,7 +154,6 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
   const int64_t tiles_per_head = s.rows_pad / kBlockM;
   const int64_t tiles = int64_t(p.batch) * p.heads * tiles_per_head;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    if (s.dq_arrivals != nullptr && s.dq_arrivals[tile] < 0) continue;  // converted
     const int64_t bh = tile / tiles_per_head;
     const int row0 = int(tile % tiles_per_head) * kBlockM, h = int(bh % p.heads);
     const SeqInfo seq(p, int(bh / p.heads));

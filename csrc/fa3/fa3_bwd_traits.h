@@ -148,14 +148,6 @@ struct BwdTraits {
   static constexpr int kScratchBytes = kWide ? std::max(2 * kdSBytes, kdQBytes)
                                              : kdSBytes + kdQBuffers * kdQBytes;
 
-  // The narrow tile's dQ converter (BwdConverter, fa3_bwd_epilogue.h): a queue of the query
-  // tiles handed to it, and two buffers of kConvChunkBytes through which it reads each tile
-  // (kdQBytes in chunks) from the accumulator. The wide tile has no room for it.
-  static constexpr bool kConverter = !kWide;
-  static constexpr int kConvQueue = 2, kConvStages = 2, kConvChunkBytes = 8192;
-  static constexpr int kConvChunks = kdQBytes / kConvChunkBytes;
-  static_assert(!kConverter || kdQBytes % kConvChunkBytes == 0);
-
   using PipelineQ = cutlass::PipelineTmaAsync<kStagesQ>;
   using PipelinedO = cutlass::PipelineTmaAsync<kStagesdO>;
   struct SharedStorage {
@@ -173,11 +165,6 @@ struct BwdTraits {
     alignas(8) uint64_t kv_full[kKVSlots];
     alignas(8) uint64_t kv_empty[kKVSlots];
     int item[kKVSlots];
-    alignas(128) float conv[kConverter ? kConvStages * kConvChunkBytes / 4 : 4];
-    alignas(8) uint64_t conv_full[kConvQueue];   // a tile posted (the dQ writer)
-    alignas(8) uint64_t conv_empty[kConvQueue];  // its conversion done (the converter)
-    alignas(8) uint64_t chunk_full[kConvStages];  // a chunk's bytes landed
-    int conv_tile[kConvQueue];                   // the tile's index in the accumulator; -1: end
 
     __device__ Element* ds() { return reinterpret_cast<Element*>(scratch); }
     // The wide tile's only: in the narrow one this is dQ staging buffer 0.

@@ -261,9 +261,6 @@ struct BwdPlan {
   // split_parts items each, a share of the query tiles apiece (bwd_split_parts).
   int split_items = 0;
   int split_parts = 1;
-  // dQ converted in the main kernel, each query tile by its last adder's CTA (bwd_fused_dq),
-  // with an arrival counter a tile in the workspace.
-  bool fused_dq = false;
 };
 
 // The backward's keys a CTA (BwdTraits::kBlockN): 64 where dK / dV of 128 keys would not fit
@@ -308,20 +305,6 @@ inline int64_t bwd_split_counter_bytes(int64_t split) { return (split * 4 + 15) 
 inline int64_t bwd_split_bytes(int64_t split, int kernel_hdim) {
   return bwd_split_counter_bytes(split) + split * 2 * bwd_block_n(kernel_hdim) * kernel_hdim * 4;
 }
-
-// Persistent default-mode calls of the narrow tile (head dims up to 128) convert dQ in the main
-// kernel: the last key tile to add into a query tile hands it to the producer warpgroup's idle
-// warps, which convert it from L2 while the steps go on (fa3_bwd_epilogue.h: BwdConverter),
-// and the conversion pass only reads a counter for such a tile. The pass moved the whole fp32
-// accumulator and dQ through memory after the kernel: ~4.5% of head dim 128's call at 2k.
-// The wide tile's shared memory has no room for the converter's buffers. Opt-in
-// (Tuning::fa3_bwd_fused_dq = 1) until it has run on a GPU.
-inline bool bwd_fused_dq(bool persistent, bool deterministic, int kernel_hdim, int tuning) {
-  return tuning > 0 && persistent && !deterministic && bwd_block_n(kernel_hdim) == 128;
-}
-// The workspace's arrival counters (BwdScratch::dq_arrivals), a query tile each, after the
-// split region (16-byte aligned as a block).
-inline int64_t bwd_arrival_bytes(int64_t tiles) { return (tiles * 4 + 15) / 16 * 16; }
 
 // Deterministic calls whose key tiles all walk the same query tiles (no right bound on the
 // keys a row sees) add into up to this many dQ accumulators, summed in order at the
@@ -389,9 +372,6 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
   plan.persistent = bwd_persistent(kernel_hdim) &&
                     (!p.deterministic || bwd_persistent_deterministic(kernel_hdim));
   plan.ctas = plan.persistent ? std::min(plan.items, std::max(p.num_sms, 1)) : plan.items;
-  plan.fused_dq =
-      bwd_fused_dq(plan.persistent, p.deterministic, kernel_hdim, tuning.fa3_bwd_fused_dq);
-  if (plan.fused_dq) plan.workspace_bytes += bwd_arrival_bytes(rows / block_m);
   // The split (bwd_split_parts): persistent default-mode calls of dense full attention, whose
   // items all walk the same query tiles.
   const bool dense = p.cu_seqlens_q == nullptr && p.cu_seqlens_k == nullptr &&

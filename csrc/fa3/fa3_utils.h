@@ -53,9 +53,9 @@ static_assert(uint32_t(FwdBarrier::ConsumerOwn) + 3 +
 // written by the consumers / read by the dQ writer's bulk add. Parts: a split item's part
 // has added its dK / dV (fa3_bwd_epilogue.h: add_split_part; Tails' id, never at once).
 enum class BwdBarrier : uint32_t {
-  dSFree = 0, dSFull = 1, Tails = 2, Parts = 2, dQFull = 3, dQEmpty = 5, Convert = 7
+  dSFree = 0, dSFull = 1, Tails = 2, Parts = 2, dQFull = 3, dQEmpty = 5
 };
-static_assert(uint32_t(BwdBarrier::Convert) +
+static_assert(uint32_t(BwdBarrier::dQEmpty) + 1 +
                   cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
               cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers);
 constexpr int kdQBarrierThreads = 256 + 32;  // the consumers and the dQ writer warp

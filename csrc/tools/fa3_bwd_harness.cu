@@ -9,8 +9,7 @@
 //        csrc/tools/fa3_bwd_harness.cu -o fa3_bwd_harness
 //   ./fa3_bwd_harness batch seqlen_q seqlen_k heads heads_k causal
 // Environment: FA3_ITERS=n times n launches (default 20); FA3_NO_REF=1 skips the reference
-// (slow at 16k) and reports the results as unchecked; FA3_SPLIT=k: Tuning::fa3_bwd_split;
-// FA3_FUSED=1 / 0: Tuning::fa3_bwd_fused_dq (dQ converted in the kernel, or by the pass).
+// (slow at 16k) and reports the results as unchecked; FA3_SPLIT=k: Tuning::fa3_bwd_split.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -192,7 +191,6 @@ int main(int argc, char** argv) {
     p.deterministic = deterministic;
     flash::Tuning tuning;
     if (getenv("FA3_SPLIT")) tuning.fa3_bwd_split = atoi(getenv("FA3_SPLIT"));
-    if (getenv("FA3_FUSED")) tuning.fa3_bwd_fused_dq = atoi(getenv("FA3_FUSED"));
     const flash::fa3::BwdPlan plan = flash::fa3::plan_bwd(p, kD, tuning);
     if (plan.split_parts > 1) {
       printf("plan: %d items, %d of them split in %d parts\n", plan.items, plan.split_items,
@@ -211,16 +209,6 @@ int main(int argc, char** argv) {
     launch();
     check_cuda("the backward");
     const std::vector<Element> got[3] = {download(dq, nq), download(dk, nk), download(dv, nk)};
-    if (plan.fused_dq) {  // how many query tiles the kernel's converter took (-1), of all
-      const flash::fa3::BwdScratch scratch = flash::fa3::bwd_scratch(p, plan, kD);
-      const int64_t tiles = int64_t(p.batch) * p.heads * scratch.rows_pad / plan.block_m;
-      std::vector<int> arrivals(tiles);
-      cudaMemcpy(arrivals.data(), scratch.dq_arrivals, tiles * 4, cudaMemcpyDeviceToHost);
-      int64_t taken = 0;
-      for (const int a : arrivals) taken += a < 0;
-      printf("fused dQ: %lld of %lld query tiles converted in the kernel\n", (long long)taken,
-             (long long)tiles);
-    }
     const std::vector<float>* want[3] = {&want_dq, &want_dk, &want_dv};
     double rel[3] = {0, 0, 0};
     // bf16 outputs: ~2^-8 of the largest value, with headroom

@@ -158,29 +158,14 @@ int main() {
     FwdParams left = call(2, 1000, 1500, 6, 2);
     left.window_left = 200;
     Tuning no_split;
-    no_split.fa3_bwd_split = 0;  // and the fused conversion on (opt-in for now)
-    no_split.fa3_bwd_fused_dq = 1;
+    no_split.fa3_bwd_split = 0;
     const BwdPlan plain = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128, no_split);
-    // The fused conversion's arrival counters, a query tile each (bwd_fused_dq).
-    CHECK(plain.dq_copies == 1 && plain.fused_dq &&
-          plain.workspace_bytes == rows * (128 + 2) * 4 + 16 + rows / 64 * 4);
+    CHECK(plain.dq_copies == 1 && plain.workspace_bytes == rows * (128 + 2) * 4 + 16);
     CHECK(plain.items == 48 && plain.split_parts == 1 && plain.split_items == 0);
     CHECK(plain.block_m == 64);
     // Plain calls at head dim 64: 96-row steps, scratch rows padded to 1056.
     const BwdPlan plain64 = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 64, no_split);
-    CHECK(plain64.block_m == 96 && plain64.fused_dq &&
-          plain64.workspace_bytes == 2 * 6 * 1056 * (64 + 2) * 4 + 16 + 2 * 6 * 1056 / 96 * 4);
-    // The fused conversion: persistent default-mode calls of the narrow tile where switched
-    // on; not deterministic ones, nor the wide tile's (192 / 256).
-    Tuning no_fused = no_split;
-    no_fused.fa3_bwd_fused_dq = 0;
-    const BwdPlan pass = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128, no_fused);
-    CHECK(!pass.fused_dq && pass.workspace_bytes == rows * (128 + 2) * 4 + 16);
-    CHECK(plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), false), 96, no_split).fused_dq);
-    CHECK(!plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 128, no_split).fused_dq);
-    CHECK(!plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 192, no_split).fused_dq);
-    CHECK(!plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 256, no_split).fused_dq);
-    CHECK(!plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128).fused_dq);  // opt-in for now
+    CHECK(plain64.block_m == 96 && plain64.workspace_bytes == 2 * 6 * 1056 * (64 + 2) * 4 + 16);
     // Causal calls from kBwdPlainCausalRows query rows (the diagonal's straddled key tiles
     // cost more than the fewer steps save below); windowed ones never.
     CHECK(plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), false), 64).block_m == 64);
@@ -238,14 +223,12 @@ int main() {
     // R = 68; 4k (64 steps) in 7 parts, 2k (32 steps) in 3, 1k (16 steps: 2 parts would not
     // shorten the wave) none. 64 at 8k: 4096 items leave 4, 8 parts (86 steps of 96 rows);
     // at 4k 5 (43 steps). The split region after the item counter: a counter a split item
-    // (16-byte aligned), then its fp32 dK and dV; then the arrival counters (4096 tiles).
-    Tuning fused;
-    fused.fa3_bwd_fused_dq = 1;
-    const BwdPlan split4k = plan_bwd(bwd(call(4, 4096, 4096, 16, 16), false), 128, fused);
+    // (16-byte aligned), then its fp32 dK and dV.
+    const BwdPlan split4k = plan_bwd(bwd(call(4, 4096, 4096, 16, 16), false), 128);
     CHECK(split4k.split_items == 68 && split4k.split_parts == 7);
     CHECK(split4k.items == 2048 + 68 * 6 && split4k.ctas == 132);
     CHECK(split4k.workspace_bytes ==
-          4 * 16 * 4096 * (128 + 2) * 4 + 16 + 272 + int64_t(68) * 2 * 128 * 128 * 4 + 4096 * 4);
+          4 * 16 * 4096 * (128 + 2) * 4 + 16 + 272 + int64_t(68) * 2 * 128 * 128 * 4);
     CHECK(plan_bwd(bwd(call(8, 2048, 2048, 16, 16), false), 128).split_parts == 3);
     CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128).split_parts == 1);
     CHECK(plan_bwd(bwd(call(2, 8192, 8192, 32, 32), false), 64).split_parts == 8);
