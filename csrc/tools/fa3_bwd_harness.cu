@@ -225,7 +225,8 @@ int main(int argc, char** argv) {
     const std::vector<Element> got[3] = {download(dq, nq), download(dk, nk), download(dv, nk)};
     const std::vector<float>* want[3] = {&want_dq, &want_dk, &want_dv};
     double rel[3] = {0, 0, 0};
-    // bf16 outputs: ~2^-8 of the largest value, with headroom
+    // Max |error| / max |reference| of each gradient into out; bf16 outputs: ~2^-8 of the
+    // largest value, with headroom.
     auto within = [&](const std::vector<Element>* grads, double* out) {
       bool fine = true;
       for (int t = 0; t < 3 && check; ++t) {
@@ -243,14 +244,16 @@ int main(int argc, char** argv) {
     bool ok = within(got, rel);
     const float ms = ms_per_launch(launch, iters);
     check_cuda("the timed backward");
-    // The last timed run is checked too: a race may show in one run of many. Deterministic:
-    // its gradients equal the checked run's bit for bit.
-    const std::vector<Element> again[3] = {download(dq, nq), download(dk, nk), download(dv, nk)};
-    double rel_again[3];
-    ok = within(again, rel_again) && ok;
+    // The last timed run is checked too (a race may show in one run of many; the worse error
+    // of the two is printed). Deterministic: its gradients equal the checked run's bit for bit.
     bool equal = true;
-    if (deterministic) {
-      for (int t = 0; t < 3; ++t) {
+    if (check || deterministic) {
+      const std::vector<Element> again[3] = {download(dq, nq), download(dk, nk),
+                                             download(dv, nk)};
+      double rel_again[3] = {0, 0, 0};
+      ok = within(again, rel_again) && ok;
+      for (int t = 0; t < 3; ++t) rel[t] = fmax(rel[t], rel_again[t]);
+      for (int t = 0; t < 3 && deterministic; ++t) {
         equal = equal && memcmp(again[t].data(), got[t].data(), again[t].size() * 2) == 0;
       }
       ok = ok && equal;
