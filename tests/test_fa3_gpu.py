@@ -345,9 +345,8 @@ def test_backward_agrees_with_fa2(b, sq, sk, h, hk, d, mods, causal, dtype):
 def test_backward_more_items_than_sms(d, causal, dtype, deterministic):
     """More (key tile, KV head, batch) items than twice the SMs: where bwd_persistent says so
     (fa3_plan.h) a CTA an SM takes them in turn, the next item's K / V loading while this one's
-    dK / dV go out (deterministic calls at 256 too, fa3_plan.h: bwd_persistent_deterministic;
-    their turns then come from items that CTAs took earlier); elsewhere a CTA takes one.
-    Against fa2's backward as above; GQA 2, keys that end inside a tile."""
+    dK / dV go out; elsewhere a CTA takes one. Against fa2's backward as above; GQA 2, keys
+    that end inside a tile."""
     skip_unless_built(dtype, d)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     sk, h, hk = 1999, 6, 3  # 16 key tiles (32 at head dims 192 and 256)
@@ -411,7 +410,7 @@ def _backward_agrees_with_fa2(b, sq, sk, h, hk, d, dtype, causal, window=None, s
     for i, name in enumerate(("dq", "dk", "dv")):
         assert_agree(name, grads["fa3"][i], grads["fa2"][i], truth.grads[i], lowp.grads[i],
                      dtype)
-    if deterministic:  # and the same bits again (CTAs of several items: the turns' order)
+    if deterministic:  # and the same bits again (CTAs of several items, in any order)
         again = _ops.run_bwd(dout, q, k, v, out, lse, rng, *args[:-1], True, "fa3")
         for name, g, g0 in zip(("dq", "dk", "dv"), again, grads["fa3"]):
             assert torch.equal(g, g0), f"{name} differs bitwise between deterministic runs"
@@ -424,9 +423,8 @@ def _backward_agrees_with_fa2(b, sq, sk, h, hk, d, dtype, causal, window=None, s
                          ids=["full", "causal", "window-softcap", "left-window-alibi"])
 def test_deterministic_backward(spec, d):
     """deterministic=True: the rule, and five runs equal bit for bit. 1500 keys are 12 key
-    tiles (24 at head dims 192 / 256), so a dQ tile takes up to 12 (24) adds in a fixed order
-    (without a right bound on the keys, into four accumulators); GQA 3 adds three heads'
-    rows."""
+    tiles (24 at head dims 192 / 256), so a dQ tile takes up to 12 (24) fixed-point adds, in
+    whatever order the CTAs reach it; GQA 3 adds three heads' rows."""
     dtype = torch.bfloat16
     skip_unless_built(dtype, d)
     inputs = qkv(2, 1000, 1500, 6, 2, d, dtype)
@@ -438,6 +436,33 @@ def test_deterministic_backward(spec, d):
         again = run_ours(inputs, call, dout)
         for name, g, g0 in zip(("dq", "dk", "dv"), again.grads, first.grads):
             assert torch.equal(g, g0), f"{name} differs bitwise between deterministic runs"
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_deterministic_backward_uneven_rows(d):
+    """deterministic=True adds dQ in fixed point, each row on a scale from a bound of its sum
+    (fa3_bwd_prep.cuh: its dO's norm, the largest |K| element and |V| row of its KV head), so
+    the precision a row gets depends on how loose that bound is. Rows of dO from 1e-4 to 1e3
+    times the others, a key 30 times the others' norm (an attention sink's) and a V row 10
+    times: the rule row by row for dq (each row's error against PyTorch's on that row, so that
+    the small rows count), besides the usual rule."""
+    dtype = torch.bfloat16
+    skip_unless_built(dtype, d)
+    b, sq, sk, h, hk = 2, 700, 900, 4, 2
+    q, k, v = qkv(b, sq, sk, h, hk, d, dtype)
+    k[:, 3] *= 30
+    v[:, 7] *= 10
+    rows = 10.0 ** torch.empty(b, sq, h, 1, device=DEVICE).uniform_(-4, 3)
+    dout = (torch.randn(b, sq, h, d, device=DEVICE) * rows).to(dtype)
+    ours = check((q, k, v), "qkv", dtype, fa(dict(deterministic=True)), {}, dout=dout)
+    ref = reference_attn({}, q.shape, sk)
+    truth = reference((q, k, v), lambda *t: t, dout, True, ref).grads[0]
+    lowp = reference((q, k, v), lambda *t: t, dout, False, ref).grads[0]
+    err = (ours.grads[0].double() - truth).abs().amax(-1)
+    err_lowp = (lowp.double() - truth).abs().amax(-1)
+    slack = truth.abs().amax(-1) * torch.finfo(dtype).eps
+    worst = (err / (3 * err_lowp + slack)).max().item()
+    assert worst <= 1.0, f"dq: a row's error is {worst:.2f} x (3 x PyTorch's on it + ulp)"
 
 
 # ---- 5. layouts and grids ---------------------------------------------------------------------

@@ -213,10 +213,10 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, in
                : "memory");
 #endif
 }
-// The same as a bulk store: dst[0 .. bytes) = src[0 .. bytes), one bulk async-group.
-__device__ __forceinline__ void bulk_store(float* dst, const float* src, int bytes) {
+// The same add of int32s (two's complement: the sum mod 2^32, in any order the same bits).
+__device__ __forceinline__ void bulk_reduce_add_s32(int* dst, const int* src, int bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.s32 [%0], [%1], %2;\n"
                "cp.async.bulk.commit_group;" ::"l"(dst), "r"(smem_addr(src)), "r"(bytes)
                : "memory");
 #endif

@@ -61,20 +61,4 @@ __device__ int first_key_tile_of(const Mask& mask, int m_block, int n_block) {
   return lo;
 }
 
-// The last key tile (of the sequence's) whose range contains query tile m_block, given that
-// tile n_block's does: FA3's deterministic backward adds into dQ_m from the last key tile down.
-template <int kBlockM, int kBlockN>
-__device__ int last_key_tile_of(const Mask& mask, int m_block, int n_block) {
-  int lo = n_block, hi = div_up(mask.seqlen_k, kBlockN) - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (query_tiles<kBlockM, kBlockN>(mask, mid).begin <= m_block) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
 }  // namespace flash

@@ -1,6 +1,6 @@
 // The FA3 backward's gradients out (fa3_bwd_kernel.cuh): the dQ writer warp's bulk reduce-adds
-// of the consumers' staged dQ tiles into the fp32 accumulator (in turn in deterministic mode),
-// and the consumers' dK / dV stores.
+// of the consumers' staged dQ tiles into the accumulator (fp32, or int32 fixed point in
+// deterministic mode: fa3_bwd_prep.cuh), and the consumers' dK / dV stores.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -9,7 +9,6 @@
 #include "common/mask.h"
 #include "common/mma.cuh"
 #include "common/params.h"
-#include "common/query_tiles.h"
 #include "common/seqinfo.h"
 #include "fa3/fa3_bwd_items.h"
 #include "fa3/fa3_bwd_prep.cuh"
@@ -18,83 +17,15 @@
 
 namespace flash::fa3 {
 
-// The deterministic mode's turns (the dQ writer's first thread). The proxy fences order the
-// bulk adds (the async proxy) after the acquire and before the release.
-__device__ __forceinline__ void dq_turn_wait(const int* counter, int turn) {
-  int seen;
-  while (true) {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-    if (seen == turn) break;
-    __nanosleep(32);
-  }
-  fence_proxy_async_global();
-}
-__device__ __forceinline__ void dq_turn_pass(int* counter) {
-  bulk_wait_complete();
-  fence_proxy_async_global();
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
-}
-
-// The dQ writer's add of the staged tile at `offset` floats (query tile m_tile of its (batch,
-// head)) into the accumulator: tile t = offset / (kBlockM kHeadDim) of the scratch's kBlockM-row
-// tiles, in copy n_block % dq_copies, whose turn counter is that copy's dq_turns[t].
-// Deterministic mode waits for its turn first, and the first turn stores, over an accumulator
-// that no memset zeroed. Returns once the add is issued, with the turn counter (nullptr in
-// default mode), whose turn the caller passes once the add is complete (dq_turn_pass).
-template <class Tr>
-__device__ __forceinline__ int* add_dq_tile(const BwdParams& p, const BwdScratch& s,
-                                            int n_block, const Mask& mask, int m_tile,
-                                            int64_t offset, const float* tile) {
-  constexpr int kTile = Tr::kBlockM * Tr::kHeadDim;
-  const int dq_copy = n_block % s.dq_copies;
-  int* turns = nullptr;
-  int turn = -1;
-  if (s.dq_turns != nullptr) {
-    turns = s.dq_turns + dq_copy * (s.dq_copy_stride / kTile) + offset / kTile;
-    const int last = last_key_tile_of<Tr::kBlockM, Tr::kBlockN>(mask, m_tile, n_block);
-    turn = (last - n_block) / s.dq_copies;
-    dq_turn_wait(turns, turn);
-  }
-  float* const dst = s.dq + dq_copy * s.dq_copy_stride + offset;
-  if (turn == 0) {
-    bulk_store(dst, tile, Tr::kdQBytes);
+// `bytes` of a staged dQ tile added into the accumulator at dst, one bulk group: fp32, or
+// kFixed (deterministic mode) the int32 fixed point the consumers staged (BwdMainloop::to_fixed).
+template <bool kFixed>
+__device__ __forceinline__ void add_dq(float* dst, const float* src, int bytes) {
+  if constexpr (kFixed) {
+    bulk_reduce_add_s32(reinterpret_cast<int*>(dst), reinterpret_cast<const int*>(src), bytes);
   } else {
-    bulk_reduce_add(dst, tile, Tr::kdQBytes);
+    bulk_reduce_add(dst, src, bytes);
   }
-  return turns;
-}
-// The same add in parts (the wide tile's halves): dq_target waits for the turn as
-// add_dq_tile does, then DqTarget::add issues each part. (Kept apart from add_dq_tile:
-// sharing it changed the narrow kernels' writer code.)
-struct DqTarget {
-  float* dst;
-  int* turns;  // nullptr in default mode
-  bool store;
-  // Floats [begin, begin + bytes / 4) of the staged tile into the target, one bulk group.
-  __device__ __forceinline__ void add(const float* tile, int begin, int bytes) const {
-    if (store) {
-      bulk_store(dst + begin, tile + begin, bytes);
-    } else {
-      bulk_reduce_add(dst + begin, tile + begin, bytes);
-    }
-  }
-};
-template <class Tr>
-__device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const BwdScratch& s,
-                                              int n_block, const Mask& mask, int m_tile,
-                                              int64_t offset) {
-  constexpr int kTile = Tr::kBlockM * Tr::kHeadDim;
-  const int dq_copy = n_block % s.dq_copies;
-  DqTarget t{nullptr, nullptr, false};
-  if (s.dq_turns != nullptr) {
-    t.turns = s.dq_turns + dq_copy * (s.dq_copy_stride / kTile) + offset / kTile;
-    const int last = last_key_tile_of<Tr::kBlockM, Tr::kBlockN>(mask, m_tile, n_block);
-    const int turn = (last - n_block) / s.dq_copies;
-    dq_turn_wait(t.turns, turn);
-    t.store = turn == 0;
-  }
-  t.dst = s.dq + dq_copy * s.dq_copy_stride + offset;
-  return t;
 }
 
 template <class Tr>
@@ -108,7 +39,7 @@ struct BwdEpilogue {
   // consumers' last GEMMs, the lower one over P^T / dS^T once they are read: the next step's
   // P^T / dS^T wait for half a tile's read, not a whole one's. All free at the start; the
   // arrives past the last step are the consumers' to match (bwd_kernel).
-  template <bool kPersistent>
+  template <bool kPersistent, bool kFixed>
   static __device__ __forceinline__ void write_dq(const BwdParams& p, const BwdScratch& s,
                                                   typename Tr::SharedStorage& shared) {
     using cutlass::arch::NamedBarrier;
@@ -133,44 +64,28 @@ struct BwdEpilogue {
       for (int hq = 0; hq < w.steps.heads_per_kv; ++hq, head_row += rows_q) {
         #pragma unroll 1
         for (int m = w.steps.m_begin; m < w.steps.m_end; ++m) {
-          // A deterministic add's turn passes once it is complete: in the narrow tile before
-          // the buffer's free (the turns are the chain that waits: after it cost 2-12% at
-          // head dims 64-128), in the wide tile after it (held through the whole add, it
-          // kept the consumers' next staging waiting: +6..+18% at 192 / 256).
+          float* const dst = s.dq + (head_row + m * kBlockM) * kHeadDim;
           if constexpr (Tr::kWide) {
             constexpr int kHalf = Tr::kdQBytes / 2;
             const float* tile = shared.dq(0);
-            DqTarget target{};
             NamedBarrier::sync(kdQBarrierThreads, kFull + 1);
-            if (leader) {
-              target = dq_target<Tr>(p, s, w.it.n_block, w.mask, m,
-                                     (head_row + m * kBlockM) * kHeadDim);
-              target.add(tile, kHalf / 4, kHalf);
-            }
+            if (leader) add_dq<kFixed>(dst + kHalf / 4, tile + kHalf / 4, kHalf);
             __syncwarp();
             NamedBarrier::sync(kdQBarrierThreads, kFull);
             if (leader) {
-              target.add(tile, 0, kHalf);
+              add_dq<kFixed>(dst, tile, kHalf);
               bulk_wait_read<1>();
             }
             __syncwarp();
             NamedBarrier::arrive(kdQBarrierThreads, kEmpty + 1);
             if (leader) bulk_wait_read<0>();
-            __syncwarp();
-            NamedBarrier::arrive(kdQBarrierThreads, kEmpty);
-            if (leader && target.turns != nullptr) dq_turn_pass(target.turns);
             __syncwarp();  // converged at the next named barrier (bar.sync is .aligned)
+            NamedBarrier::arrive(kdQBarrierThreads, kEmpty);
           } else {
             NamedBarrier::sync(kdQBarrierThreads, kFull + b);
-            int* turns = nullptr;
             if (leader) {
-              turns = add_dq_tile<Tr>(p, s, w.it.n_block, w.mask, m,
-                                      (head_row + m * kBlockM) * kHeadDim, shared.dq(b));
-              if (turns != nullptr) {
-                dq_turn_pass(turns);
-              } else {
-                bulk_wait_read();
-              }
+              add_dq<kFixed>(dst, shared.dq(b), Tr::kdQBytes);
+              bulk_wait_read();
             }
             __syncwarp();
             NamedBarrier::arrive(kdQBarrierThreads, kEmpty + b);

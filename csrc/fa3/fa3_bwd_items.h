@@ -1,7 +1,6 @@
 // The FA3 backward's work items (fa3_bwd_kernel.cuh). Item i is (key tile, KV head, batch),
 // key tiles fastest (neighbouring items read the same Q and dO) but over the plan's tail
-// pairs (BwdItem); in deterministic mode a head's last key tile comes first (the turns'
-// order); a persistent grid's last partial wave of full attention goes as parts of its
+// pairs (BwdItem); a persistent grid's last partial wave of full attention goes as parts of its
 // items' query tiles (BwdPlan::split_items). A CTA takes items until none is left:
 // its producer thread claims each and publishes it with the item's K and V (kv_full), and
 // the consumers and the dQ writer take it there and release the slot, and K and V with it
@@ -39,9 +38,8 @@ struct BwdItem {
     const int n_blocks = (p.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN;
     const int head_pairs = p.heads_k * p.batch - s.tail_pairs;
     const int tail = item - head_pairs * n_blocks;
-    const int n = tail < 0 ? item % n_blocks : tail / s.tail_pairs;
+    n_block = tail < 0 ? item % n_blocks : tail / s.tail_pairs;
     const int pair = tail < 0 ? item / n_blocks : head_pairs + tail % s.tail_pairs;
-    n_block = p.deterministic ? n_blocks - 1 - n : n;
     head_k = pair % p.heads_k;
     batch = pair / p.heads_k;
   }
@@ -90,20 +88,10 @@ struct BwdItems {
   static constexpr int kSlots = Tr::kKVSlots;
   __device__ static int slot(int n) { return n % kSlots; }
   __device__ static int phase(int n) { return (n / kSlots) & 1; }
-  // A deterministic call in a persistent kernel (bwd_persistent_deterministic) takes every item
-  // from the counter, its first too, so that only a running CTA holds an item: an item's turns
-  // wait for the items before it, and one held by a CTA that other work keeps off the SMs would
-  // stall every item after it.
-  static __device__ __forceinline__ bool counted(const BwdParams& p) {
-    return kPersistent && bwd_persistent_deterministic(Tr::kHeadDim) && p.deterministic;
-  }
-  // The producer's first item: blockIdx.x, or the counter's.
-  static __device__ __forceinline__ int first(const BwdParams& p, const BwdScratch& s) {
-    return counted(p) ? int(atomicAdd(s.next_item, 1u)) : int(blockIdx.x);
-  }
+  // The producer's first item.
+  static __device__ __forceinline__ int first() { return int(blockIdx.x); }
   // The persistent producer's item after its first; s.items or more: none left.
-  static __device__ __forceinline__ int next(const BwdParams& p, const BwdScratch& s) {
-    if (counted(p)) return int(atomicAdd(s.next_item, 1u));
+  static __device__ __forceinline__ int next(const BwdScratch& s) {
     if (int(gridDim.x) >= s.items) return s.items;
     return int(atomicAdd(s.next_item, 1u)) + int(gridDim.x);
   }

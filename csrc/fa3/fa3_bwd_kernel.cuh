@@ -1,6 +1,5 @@
 // The FA3 backward kernel: a CTA an SM taking items (key tile, KV head, batch) in turn
-// (fa3_bwd_items.h; at head dim 192, and in deterministic mode but at 256, a CTA an item), three
-// warpgroups:
+// (fa3_bwd_items.h; at head dim 192 a CTA an item), three warpgroups:
 //   warpgroup 0, the producer: one thread claims each item and loads its K and V once, then
 //     each step's Q and dO tiles (TMA) with their rows' lse and D (bulk copies) into
 //     pipelines that run on from item to item; its second warp, the dQ writer, adds each
@@ -23,19 +22,9 @@
 // registers. Dense or variable-length; causal, window, softcap and ALiBi (fa3_bwd_score.h);
 // deterministic (below); no dropout.
 //
-// Deterministic mode (p.deterministic): the adds into one dQ tile happen in a fixed order, from
-// the last key tile that walks it down. A counter per (batch, head, query tile) in the scratch
-// says how many key tiles have added; the CTA of key tile n waits for its turn (the number of
-// later key tiles that walk the query tile, common/query_tiles.h), adds, waits for the add to
-// complete and passes the turn on. The items put a head's last key tile first, so the turn
-// always comes from an earlier item, which never waits on a later one, and CTAs take items in
-// order (the grid's, or at 256 all from the counter, BwdItems::first): the waits end. With
-// a causal or windowed mask a later key tile starts its walk kBlockN / kBlockM query tiles
-// further on (2; 1 in the wide tile), so it reaches each dQ tile that many steps before this
-// one and the turns seldom wait. Without one
-// every key tile walks the same tiles in the same order, and a dQ tile's turns form a chain
-// through all of them: there the key tiles add into s.dq_copies accumulators by n modulo the
-// copies, which the conversion sums in order, and the chains are that many times shorter.
+// Deterministic mode (p.deterministic): the same kernel with dQ added in int32 fixed point
+// (fa3_bwd_prep.cuh), whose sums do not depend on the order of the adds; each step's rows'
+// scales come with Q. A split item's fp32 dK / dV adds do, so the plan splits none there.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -54,21 +43,22 @@
 
 namespace flash::fa3 {
 
-// The Q or dO pipeline's parameters: the tiles are the same size, each with its rows' lse or D.
+// The Q or dO pipeline's parameters: the tiles are the same size, each with its rows' lse or D
+// (and, extra_rows, the rows' dQ scales).
 template <class Tr, class Pipeline>
-__device__ __forceinline__ typename Pipeline::Params bwd_pipe_params(int wg) {
+__device__ __forceinline__ typename Pipeline::Params bwd_pipe_params(int wg, int extra_rows) {
   typename Pipeline::Params params;
   params.role = wg == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   params.is_leader = threadIdx.x == 0;
   params.num_consumers = 128 * Tr::kConsumers;
-  params.transaction_bytes = Tr::kTmaBytesQ + Tr::kRowBytes;
+  params.transaction_bytes = Tr::kTmaBytesQ + (1 + extra_rows) * Tr::kRowBytes;
   return params;
 }
 
 // kScoreMod: softcap or ALiBi may be on (BwdMainloop::softmax_grad); kVRegs: the narrow
 // tile's dP^T reads V from registers (BwdTraits::kVRegs); kPersistent: a CTA an SM taking
-// items in turn (fa3_plan.h: bwd_persistent), else a CTA an item.
-template <class Tr, class Tma, bool kScoreMod, bool kVRegs, bool kPersistent>
+// items in turn (fa3_plan.h: bwd_persistent), else a CTA an item; kFixed: deterministic mode.
+template <class Tr, class Tma, bool kScoreMod, bool kVRegs, bool kPersistent, bool kFixed>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ Tma tma,
                const BwdScratch s) {
@@ -81,8 +71,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using Items = BwdItems<Tr, kPersistent>;
   const int wg = cutlass::canonical_warp_group_idx();
 
-  PipelineQ pipe_q(shared.pipe_q, bwd_pipe_params<Tr, PipelineQ>(wg), Shape<_1, _1, _1>{});
-  PipelinedO pipe_do(shared.pipe_do, bwd_pipe_params<Tr, PipelinedO>(wg), Shape<_1, _1, _1>{});
+  PipelineQ pipe_q(shared.pipe_q, bwd_pipe_params<Tr, PipelineQ>(wg, kFixed),
+                   Shape<_1, _1, _1>{});
+  PipelinedO pipe_do(shared.pipe_do, bwd_pipe_params<Tr, PipelinedO>(wg, 0), Shape<_1, _1, _1>{});
   if (threadIdx.x == 0) {
     for (int k = 0; k < Tr::kKVSlots; ++k) {
       cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full[k], 1);
@@ -95,13 +86,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (threadIdx.x / 32 == 1) {
-      BwdEpilogue<Tr>::template write_dq<kPersistent>(p, s, shared);
+      BwdEpilogue<Tr>::template write_dq<kPersistent, kFixed>(p, s, shared);
       return;
     }
     if (threadIdx.x != 0) return;
     auto state_q = cutlass::make_producer_start_state<PipelineQ>();
     auto state_do = cutlass::make_producer_start_state<PipelinedO>();
-    int item = Items::first(p, s);
+    int item = Items::first();
     #pragma unroll 1
     for (int published = 0;; ++published) {
       Items::publish(shared, published, item < s.items ? item : -1);
@@ -114,7 +105,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (w.steps.count() == 0) {
         cutlass::arch::ClusterBarrier::arrive(kv_full);  // dK = dV = 0, no loads
       } else {
-        BwdMainloop<Tr>::load(p, tma, s, shared, Items::slot(published), pipe_q, pipe_do,
+        BwdMainloop<Tr>::template load<kFixed>(p, tma, s, shared, Items::slot(published), pipe_q, pipe_do,
                               state_q, state_do, w.seq, w.steps, w.it.n_block, w.it.head_k,
                               w.it.batch);
       }
@@ -124,7 +115,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // Claimed only once this item's loads are issued, about two steps before the
       // consumers finish it: claimed earlier, a long item would hold back its successor from
       // CTAs that free up meanwhile.
-      item = Items::next(p, s);
+      item = Items::next(s);
     }
     return;
   }
@@ -134,14 +125,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   typename Tr::MmaKV mma_kv;
   Tensor acc_dk = partition_fragment_C(mma_kv, Shape<_64, Int<kKVCols>>{});
   Tensor acc_dv = partition_fragment_C(mma_kv, Shape<_64, Int<kKVCols>>{});
-  // The store's thread index pinned (an empty asm; ptxas's choices, measured): in a persistent
+  // The store's thread index pinned (an empty asm; ptxas's choices, measured) in a persistent
   // CTA, or the store's coordinates are computed before the item loop and spilled across the
-  // steps; in the deterministic-only kernels (no V in registers at a head dim that has it),
-  // +4..+23% at 64, +2..+12% at 96. Not in the other kernels of one item (default 192,
-  // deterministic 128 / 192 / 256): there the steps' masking went from predicated
-  // instructions to 32 branches a step (one-item default kernels at 96 -2..-4.5%, at 128
-  // -1.3..0%).
-  constexpr bool kPinTid = kPersistent || (Tr::kVRegs && !kVRegs);
+  // steps. Not in a CTA of one item (192): there the steps' masking went from predicated
+  // instructions to 32 branches a step (one-item kernels at 96 -2..-4.5%, at 128 -1.3..0%).
+  constexpr bool kPinTid = kPersistent;
   cutlass::PipelineState<Tr::kStagesQ> state_q;
   cutlass::PipelineState<Tr::kStagesdO> state_do;
   int buf = 0;  // the narrow tile's dQ staging buffer of the next step
@@ -153,12 +141,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     clear(acc_dk);
     clear(acc_dv);
     if constexpr (Tr::kWide) {  // all keys of the tile, head-dim half cw
-      BwdWideConsumer<Tr>::template mma<kScoreMod>(p, shared, pipe_q, pipe_do, state_q,
+      BwdWideConsumer<Tr>::template mma<kScoreMod, kFixed>(p, shared, pipe_q, pipe_do, state_q,
                                                    state_do, Items::phase(taken), w.seq,
                                                    w.mask, w.steps, w.it.n_block, w.it.head_k,
                                                    cw, acc_dk, acc_dv);
     } else {  // keys [64 cw, 64 cw + 64) of the tile, all the head dim
-      BwdMainloop<Tr>::template mma<kScoreMod, kVRegs>(p, shared, pipe_q, pipe_do, state_q,
+      BwdMainloop<Tr>::template mma<kScoreMod, kVRegs, kFixed>(p, shared, pipe_q, pipe_do, state_q,
                                                        buf, Items::slot(taken),
                                                        Items::phase(taken), w.seq, w.mask,
                                                        w.steps, w.it.n_block, w.it.head_k, cw,

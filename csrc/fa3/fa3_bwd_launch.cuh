@@ -32,9 +32,7 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
   s.rows_pad = (int64_t(p.seqlen_q) + plan.block_m - 1) / plan.block_m * plan.block_m;
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
   s.dq = static_cast<float*>(p.workspace);
-  s.dq_copies = plan.dq_copies;
-  s.dq_copy_stride = rows * kernel_hdim;
-  float* const after_dq = s.dq + s.dq_copy_stride * s.dq_copies;
+  float* const after_dq = s.dq + rows * kernel_hdim;
   s.next_item = reinterpret_cast<unsigned*>(after_dq);
   s.items = plan.items;
   s.tail_pairs = plan.tail_pairs;
@@ -42,9 +40,13 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
   s.split_first = plan.items - plan.split_items * plan.split_parts;
   s.split_count = reinterpret_cast<unsigned*>(after_dq + kBwdCounterBytes / sizeof(float));
   s.split_acc = after_dq + (kBwdCounterBytes + bwd_split_counter_bytes(plan.split_items)) / 4;
-  s.lse2 = after_dq + (kBwdCounterBytes + bwd_split_bytes(plan.split_items, kernel_hdim)) / 4;
+  float* const after_split =
+      after_dq + (kBwdCounterBytes + bwd_split_bytes(plan.split_items, kernel_hdim)) / 4;
+  s.kv_bound = p.deterministic ? after_split : nullptr;
+  s.lse2 = after_split +
+           (p.deterministic ? bwd_kv_bound_bytes(int64_t(p.batch) * p.heads_k) / 4 : 0);
   s.dsum = s.lse2 + rows;
-  s.dq_turns = p.deterministic ? reinterpret_cast<int*>(s.dsum + rows) : nullptr;
+  s.dq_scale = p.deterministic ? s.dsum + rows : nullptr;
   return s;
 }
 
@@ -58,19 +60,17 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   constexpr bool kPlainOnly = Tr::kBlockM != bwd_block_m(kHeadDim, false);
   const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
-  // The accumulator, the item counter and the split items' region (all before lse2,
-  // bwd_scratch), or in deterministic mode the turn counters (fa3_bwd_prep.cuh: the first add
-  // of a tile stores), and the item counter where the plan is persistent: a memset writes at
-  // the memory's rate, which the preprocess's stores, interleaved with its loads, did not reach.
-  if (s.dq_turns == nullptr) {
-    FLASH_CHECK_CUDA(cudaMemsetAsync(
-        s.dq, 0, size_t(reinterpret_cast<char*>(s.lse2) - reinterpret_cast<char*>(s.dq)),
-        stream));
-  } else {
-    FLASH_CHECK_CUDA(cudaMemsetAsync(
-        s.dq_turns, 0, size_t(rows / Tr::kBlockM) * s.dq_copies * sizeof(int), stream));
-    if (plan.persistent) {
-      FLASH_CHECK_CUDA(cudaMemsetAsync(s.next_item, 0, kBwdCounterBytes, stream));
+  // The accumulator, the item counter, the split items' region and deterministic mode's K / V
+  // bounds (all before lse2, bwd_scratch): a memset writes at the memory's rate, which the
+  // preprocess's stores, interleaved with its loads, did not reach.
+  FLASH_CHECK_CUDA(cudaMemsetAsync(
+      s.dq, 0, size_t(reinterpret_cast<char*>(s.lse2) - reinterpret_cast<char*>(s.dq)), stream));
+  if (p.deterministic) {
+    const dim3 grid(unsigned((p.seqlen_k + kBwdBoundRows - 1) / kBwdBoundRows),
+                    unsigned(p.heads_k), unsigned(p.batch));
+    if (grid.x > 0) {
+      bwd_kv_bound_kernel<T, kHeadDim><<<grid, kBwdPrepThreads, 0, stream>>>(p, s);
+      FLASH_CHECK_LAUNCH();
     }
   }
   constexpr int kRowsPerStep = kBwdPrepThreads / bwd_prep_lanes<kHeadDim>();
@@ -101,21 +101,19 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
                                     p.heads_k, batches_k), kv_view);
   using Tma = BwdTma<decltype(tma_q), decltype(tma_do), decltype(tma_k), decltype(tma_v)>;
   const Tma tma{tma_q, tma_do, tma_k, tma_v};
-  // V in registers for the default mode only: the deterministic one ran 2-10% slower with it
-  // (H200, head dims 64 / 96), the default 2-4% faster.
-  constexpr bool kV = Tr::kVRegs;
-  // Persistent where the plan says so: bwd_persistent's head dims, deterministic calls at
-  // bwd_persistent_deterministic's.
-  constexpr bool kP = bwd_persistent(kHeadDim);
-  constexpr bool kPD = kP && bwd_persistent_deterministic(kHeadDim);
-  const bool mod = p.softcap > 0.f || p.alibi_slopes != nullptr, dflt = !p.deterministic;
-  if (plan.persistent != (dflt ? kP : kPD) || (kPlainOnly && !bwd_plain(p))) {
+  // Persistent where the plan says so (bwd_persistent's head dims); deterministic mode's
+  // kernels add dQ in fixed point.
+  constexpr bool kV = Tr::kVRegs, kP = bwd_persistent(kHeadDim);
+  const bool mod = p.softcap > 0.f || p.alibi_slopes != nullptr, det = p.deterministic;
+  if (plan.persistent != kP || (kPlainOnly && !bwd_plain(p))) {
     throw std::runtime_error("flash_attn: fa3 backward: the plan is not this head dim's");
   }
-  auto kernel = dflt ? bwd_kernel<Tr, Tma, false, kV, kP> : bwd_kernel<Tr, Tma, false, false, kPD>;
+  auto kernel = det ? bwd_kernel<Tr, Tma, false, kV, kP, true>
+                    : bwd_kernel<Tr, Tma, false, kV, kP, false>;
   if constexpr (!kPlainOnly) {
     if (mod) {
-      kernel = dflt ? bwd_kernel<Tr, Tma, true, kV, kP> : bwd_kernel<Tr, Tma, true, false, kPD>;
+      kernel = det ? bwd_kernel<Tr, Tma, true, kV, kP, true>
+                   : bwd_kernel<Tr, Tma, true, kV, kP, false>;
     }
   }
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -45,8 +45,8 @@ struct BwdMainloop {
 
   // The producer thread, for one item with steps: K and V of key tile n_block into item slot
   // `slot` (completing its kv_full phase), then the steps' tiles, the pipelines' states going
-  // on from the CTA's previous item.
-  template <class Tma, class StateQ, class StatedO>
+  // on from the CTA's previous item. kFixed (deterministic mode): the rows' dQ scales with Q.
+  template <bool kFixed, class Tma, class StateQ, class StatedO>
   static __device__ __forceinline__ void load(const BwdParams& p, const Tma& tma,
                                               const BwdScratch& s,
                                               typename Tr::SharedStorage& shared, int slot,
@@ -96,6 +96,10 @@ struct BwdMainloop {
         copy(tma.q.with(*bar_q), tQg(_, m), tQs(_, state_q.index()));
         bulk_copy(shared.lse[state_q.index()], s.lse2 + row0 + m * kBlockM, Tr::kRowBytes,
                   bar_q);
+        if constexpr (kFixed) {
+          bulk_copy(shared.dq_scale[state_q.index()], s.dq_scale + row0 + m * kBlockM,
+                    Tr::kRowBytes, bar_q);
+        }
         pipe_do.producer_acquire(state_do);
         uint64_t* bar_do = pipe_do.producer_get_barrier(state_do);
         copy(tma.dout.with(*bar_do), tdOg(_, m), tdOs(_, state_do.index()));
@@ -183,6 +187,23 @@ struct BwdMainloop {
     }
   }
 
+  // Deterministic mode: dQ part `part`'s values times their rows' fixed-point scales
+  // (fa3_bwd_prep.cuh), rounded to int32s, in place (their bits); scale(dr): the scale of the
+  // row dr rows past the thread's first.
+  template <class Acc, class Scale>
+  static __device__ __forceinline__ void to_fixed(Acc& acc_dq, int part, const Scale& scale) {
+    typename Tr::MmadQ mma_dq;
+    Tensor cdQ = mma_dq.get_thread_slice(threadIdx.x % 128)
+                     .partition_C(make_identity_tensor(typename Tr::ShapedQAcc{}));
+    auto row = [&](int i) {  // of value i in the tile (dQ^T: its column)
+      return Tr::kdQT ? Tr::dq_part_row0(part) + get<1>(cdQ(i)) : get<0>(cdQ(i));
+    };
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); ++i) {
+      acc_dq(i) = __int_as_float(__float2int_rn(acc_dq(i) * scale(row(i) - row(0), row(i))));
+    }
+  }
+
   // Column block `part` of a step's dQ tile into a staging buffer, in the accumulator's order
   // (Tr::dq_slot), which the global accumulator keeps (the conversion, fa3_bwd_prep.cuh,
   // undoes it): one bulk add of the whole tile, by the dQ writer. The caller fences the
@@ -202,10 +223,10 @@ struct BwdMainloop {
   // dV into acc_dk / acc_dv and handing each step's dQ tile to the dQ writer in staging
   // buffer buf, 1 - buf, ... The pipelines' state and buf go on from the CTA's previous item;
   // slot, kv_phase: the item's K / V slot and its kv_full phase (BwdItems). kVRegs: dP^T's V
-  // from registers (Tr::kVRegs).
+  // from registers (Tr::kVRegs); kFixed: deterministic mode's fixed-point dQ (to_fixed).
   // The wait for K and V comes after the steps' setup: waited for before it (when the item
   // is taken), the setup's descriptors left uniform registers and spilled in the steps.
-  template <bool kScoreMod, bool kVRegs, class State, class Acc>
+  template <bool kScoreMod, bool kVRegs, bool kFixed, class State, class Acc>
   static __device__ __forceinline__ void mma(const BwdParams& p, typename Tr::SharedStorage& shared,
                                              PipelineQ& pipe_q, PipelinedO& pipe_do,
                                              State& state, int& buf, int slot, int kv_phase,
@@ -310,6 +331,10 @@ struct BwdMainloop {
         warpgroup_fence_operand(acc_dq);
         pipe_do.consumer_release(state);
         // This step's dQ into buffer buf once the writer has read what it held.
+        if constexpr (kFixed) {
+          const float* scale = shared.dq_scale[stage];  // Q's stage: not yet released
+          to_fixed(acc_dq, cw, [&](int, int r) { return scale[r]; });
+        }
         cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + buf);
         stage_dq(shared.dq(buf), acc_dq, cw);
         cutlass::arch::fence_view_async_shared();  // before the writer's bulk read

@@ -1,18 +1,25 @@
 // The FA3 backward's kernels around the main one. Scratch rows (per batch and head, padded to
 // the main kernel's rows a step, bwd_block_m) hold, for its unguarded tile loads:
+//   dq     the dQ accumulator, unscaled, zeroed by a memset, added to by every key tile: fp32,
+//          or in deterministic mode fixed point (below)
+//   next_item  the persistent kernel's item counter (fa3_bwd_items.h), zeroed with dq
+//   split  the split items' part counters and fp32 dK / dV sums (BwdPlan::split_items), zeroed
+//          with dq
+//   kv_bound  deterministic mode: per (batch, KV head) the largest |K| element and |V| row
+//          norm (squared), zeroed with dq
 //   lse2   the forward's lse in base 2; +inf past the sequence (P = 0 there)
 //   dsum   D = rowsum(dO o O); 0 past the sequence
-//   dq     the dQ accumulator (fp32, unscaled), zeroed by a memset, added to by every key
-//          tile; dq_copies of them in some deterministic calls, summed in order at the
-//          conversion. Deterministic mode zeroes none: a tile's first key tile stores, and
-//          the conversion reads only the tiles some key tile wrote (their counter past 0)
-//   next_item  the persistent kernel's item counter (fa3_bwd_items.h), zeroed with the dq
-//          accumulators, or alone in deterministic mode
-//   split  the split items' part counters and fp32 dK / dV sums (BwdPlan::split_items), zeroed
-//          with the dq accumulators
-//   dq_turns  deterministic mode only: a counter per query tile (kBlockM rows) and copy
-//          (fa3_bwd_kernel.cuh), zeroed by a memset
+//   dq_scale  deterministic mode: the row's fixed-point scale (below)
 // and the conversion of the accumulator into dq (times softmax_scale, in the output dtype).
+//
+// Deterministic mode adds dQ in fixed point: each key tile's share of a row, times the row's
+// scale 2^e, rounded to an int32, so that the adds (integer, hence associative) give the same
+// bits in any order, with no ordering of the key tiles. The scale bounds the row's sum by 2^30:
+// |dQ_i| <= max|K| sum_j P_ij |dP_ij - D_i| <= 2 max|K| |dO_i| max_j |V_j| (sum_j P_ij = 1,
+// |D_i| <= max_j |dP_ij|, |dP_ij| <= |dO_i| |V_j|; softcap's derivative is at most 1), and each
+// key tile's share by the same, so no add overflows (two's complement would wrap back anyway).
+// The rounding costs 2^-e per add, below 2^-28 of the bound: against bf16's 2^-9 of the
+// value, negligible unless the bound exceeds the row's dQ by 2^15 or so.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,10 +45,9 @@ constexpr int bwd_prep_lanes() {
 struct BwdScratch {
   float* lse2;
   float* dsum;
-  float* dq;
-  int64_t dq_copy_stride;  // floats between two copies of the accumulator
-  int dq_copies;
-  int* dq_turns;     // nullptr unless deterministic
+  float* dq;         // int32 in deterministic mode
+  float* dq_scale;   // nullptr unless deterministic
+  float* kv_bound;   // nullptr unless deterministic: (max |K|, max |V_j|^2) per (batch, KV head)
   int64_t rows_pad;  // per (batch, head)
   unsigned* next_item;  // items taken (past the CTAs' first, gridDim.x, unless counted)
   int items;            // (key tile, KV head, batch): BwdPlan's
@@ -54,6 +60,22 @@ struct BwdScratch {
   unsigned* split_count;
   float* split_acc;
 };
+
+// The fixed-point scale of a row whose dO has squared norm do2, for K / V bounds kv: 2^e with
+// 2^e x (the row's bound) < 2^30, from the factors' exponents (no product that could overflow);
+// NaN where a factor is (so dQ's row is NaN, as it would be in default mode).
+__device__ __forceinline__ float dq_fixed_scale(float do2, const float* kv) {
+  const float factors[3] = {sqrtf(do2), kv[0], sqrtf(kv[1])};
+  int e = 30 - 2;  // the bound's factor 2, and < 2 for rounding (1.02 would do)
+  #pragma unroll
+  for (int f = 0; f < 3; ++f) {
+    if (!(factors[f] <= 3.4e38f)) return __int_as_float(0x7fc00000);  // NaN or inf
+    int x;
+    frexpf(factors[f], &x);  // factor < 2^x; 0 for 0
+    e -= x;
+  }
+  return ldexpf(1.f, min(max(e, -126), 127));
+}
 
 template <typename T>
 __device__ __forceinline__ float2 bwd_to_float2(uint32_t packed) {
@@ -82,7 +104,68 @@ __device__ __forceinline__ void store2(T* ptr, float a, float b) {
   }
 }
 
-// bwd_prep_lanes lanes a row, 16 bytes of dO and O each.
+// Deterministic mode's bounds (kv_bound, zeroed): a block per (key rows chunk, KV head, batch),
+// bwd_prep_lanes lanes a row; per block the largest |K| element and squared |V| row norm, one
+// atomic max each (non-negative floats order as their bits; NaN's above inf).
+constexpr int kBwdBoundRows = 256;  // key rows a block
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kBwdPrepThreads)
+    bwd_kv_bound_kernel(const __grid_constant__ BwdParams p, const BwdScratch s) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kLanes = bwd_prep_lanes<kHeadDim>(), kRowsPerStep = kBwdPrepThreads / kLanes;
+  __shared__ float block_max[2][kBwdPrepThreads / 32];
+  const int lane = threadIdx.x % kLanes, head_k = blockIdx.y;
+  const SeqInfo seq(p, blockIdx.z);
+  const int rows = seq.seqlen_k(p), row_end = min(rows, int(blockIdx.x + 1) * kBwdBoundRows);
+  const T* k = static_cast<const T*>(p.k) + seq.k_offset(p, head_k) + lane * 8;
+  const T* v = static_cast<const T*>(p.v) + seq.v_offset(p, head_k) + lane * 8;
+  float kmax = 0.f, vmax = 0.f;
+  for (int r = blockIdx.x * kBwdBoundRows + threadIdx.x / kLanes; r < row_end; r += kRowsPerStep) {
+    float v2 = 0.f;
+    if (lane * 8 < p.head_dim) {
+      const uint4 kv = __ldg(reinterpret_cast<const uint4*>(k + int64_t(r) * p.k_strides.row));
+      const uint4 vv = __ldg(reinterpret_cast<const uint4*>(v + int64_t(r) * p.v_strides.row));
+      const uint32_t kw[4] = {kv.x, kv.y, kv.z, kv.w}, vw[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 x = bwd_to_float2<T>(kw[w]), y = bwd_to_float2<T>(vw[w]);
+        kmax = fmaxf(kmax, fmaxf(fabsf(x.x), fabsf(x.y)));
+        if (x.x != x.x || x.y != x.y) kmax = __int_as_float(0x7fc00000);  // fmaxf drops NaN
+        v2 = fmaf(y.x, y.x, fmaf(y.y, y.y, v2));
+      }
+    }
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+      v2 += __shfl_xor_sync(0xffffffffu, v2, offset);
+    }
+    vmax = v2 > vmax || v2 != v2 ? v2 : vmax;
+  }
+  // The block's maxima as unsigned bits (max of the bits is the max of non-negative floats).
+  unsigned km = __float_as_uint(kmax), vm = __float_as_uint(vmax);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    km = max(km, __shfl_xor_sync(0xffffffffu, km, offset));
+    vm = max(vm, __shfl_xor_sync(0xffffffffu, vm, offset));
+  }
+  if (threadIdx.x % 32 == 0) {
+    block_max[0][threadIdx.x / 32] = __uint_as_float(km);
+    block_max[1][threadIdx.x / 32] = __uint_as_float(vm);
+  }
+  __syncthreads();
+  if (threadIdx.x < 2) {
+    unsigned m = 0;
+    for (int w = 0; w < kBwdPrepThreads / 32; ++w) {
+      m = max(m, __float_as_uint(block_max[threadIdx.x][w]));
+    }
+    atomicMax(reinterpret_cast<unsigned*>(s.kv_bound) +
+                  2 * (int64_t(blockIdx.z) * p.heads_k + head_k) + threadIdx.x,
+              m);
+  }
+#endif
+}
+
+// bwd_prep_lanes lanes a row, 16 bytes of dO and O each; deterministic mode's row scales from
+// dO's norm and kv_bound (bwd_kv_bound_kernel, launched before).
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kBwdPrepThreads)
     bwd_prep_kernel(const __grid_constant__ BwdParams p, const BwdScratch s) {
@@ -91,6 +174,7 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
   static_assert(kLanes * 8 >= kHeadDim && 32 % kLanes == 0);
   const int64_t total = int64_t(p.batch) * p.heads * s.rows_pad;
   const int lane = threadIdx.x % kLanes;
+  const bool fixed = s.dq_scale != nullptr;
   // Read-only loads (ld.global.nc), which the compiler may move above the previous row's
   // stores: two rows' loads in flight a thread.
 #pragma unroll 2
@@ -100,7 +184,7 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     const int r = int(row % s.rows_pad), h = int(bh % p.heads);
     const SeqInfo seq(p, int(bh / p.heads));
     const bool live = r < seq.seqlen_q(p);
-    float acc = 0.f;
+    float acc = 0.f, do2 = 0.f;
     if (live && lane * 8 < p.head_dim) {
       const uint4 dov = __ldg(reinterpret_cast<const uint4*>(
           static_cast<const T*>(p.dout) + seq.do_offset(p, h) + r * p.do_strides.row + lane * 8));
@@ -111,16 +195,23 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
       for (int w = 0; w < 4; ++w) {
         const float2 x = bwd_to_float2<T>(dw[w]), y = bwd_to_float2<T>(ow[w]);
         acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+        do2 = fmaf(x.x, x.x, fmaf(x.y, x.y, do2));
       }
     }
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset /= 2) {
       acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+      if (fixed) do2 += __shfl_xor_sync(0xffffffffu, do2, offset);
     }
     if (lane == 0) {
       s.dsum[row] = acc;
       // lse is +inf for a row that saw no key: P = 0 there as past the sequence.
       s.lse2[row] = live ? p.lse[seq.lse_offset(p, h) + r] * float(M_LOG2E) : INFINITY;
+      if (fixed) {
+        const int head_k = h / (p.heads / p.heads_k);
+        s.dq_scale[row] =
+            dq_fixed_scale(do2, s.kv_bound + 2 * (int64_t(seq.batch) * p.heads_k + head_k));
+      }
     }
   }
 #endif
@@ -158,31 +249,21 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     const int row0 = int(tile % tiles_per_head) * kBlockM, h = int(bh % p.heads);
     const SeqInfo seq(p, int(bh / p.heads));
     const float4* src = reinterpret_cast<const float4*>(s.dq + tile * kBlockM * kHeadDim);
-    // This thread's first value of column block cw + 2 i in accumulator copy c.
-    auto part = [&](int c, int i) {
-      return src + c * s.dq_copy_stride / 4 + Tr::dq_slot(cw + 2 * i) * kVecs * 128 + tid;
-    };
-    // Deterministic mode: copy c's tile holds something once its turn counter is past 0.
-    const int* turns = s.dq_turns == nullptr ? nullptr : s.dq_turns + tile;
-    auto written = [&](int c) { return turns == nullptr || turns[c * tiles] > 0; };
-    float4 v[kParts][kVecs];
-    const bool first = written(0);
+    float4 v[kParts][kVecs];  // thread (cw, tid)'s values of column block cw + 2 i
     CUTE_UNROLL
     for (int i = 0; i < kParts; ++i) {
       CUTE_UNROLL
-      for (int j = 0; j < kVecs; ++j) v[i][j] = first ? part(0, i)[j * 128] : float4{};
-    }
-    for (int c = 1; c < s.dq_copies; ++c) {  // in order: deterministic
-      if (!written(c)) continue;
-      CUTE_UNROLL
-      for (int i = 0; i < kParts; ++i) {
-        CUTE_UNROLL
-        for (int j = 0; j < kVecs; ++j) {
-          const float4 w = part(c, i)[j * 128];
-          v[i][j].x += w.x, v[i][j].y += w.y, v[i][j].z += w.z, v[i][j].w += w.w;
-        }
+      for (int j = 0; j < kVecs; ++j) {
+        v[i][j] = src[(Tr::dq_slot(cw + 2 * i) * kVecs + j) * 128 + tid];
       }
     }
+    // Value x of tile row r, times softmax_scale: in deterministic mode x's bits are the fixed
+    // point int32, over the row's scale (a power of two).
+    const float* scale = s.dq_scale == nullptr ? nullptr : s.dq_scale + tile * kBlockM;
+    auto out = [&](float x, int r) {
+      return scale == nullptr ? x * p.softmax_scale
+                              : float(__float_as_int(x)) * (p.softmax_scale / scale[r]);
+    };
     CUTE_UNROLL
     for (int i = 0; i < kParts; ++i) {
       const int col0 = Tr::dq_part_col0(cw + 2 * i), row0p = Tr::dq_part_row0(cw + 2 * i);
@@ -193,15 +274,13 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
           CUTE_UNROLL
           for (int k = 0; k < 4; ++k) {
             const int r = row0p + get<1>(cdQ(4 * j + k)), c = col0 + get<0>(cdQ(4 * j + k));
-            store1(tile_s + r * kRowElems + c, e[k] * p.softmax_scale);
+            store1(tile_s + r * kRowElems + c, out(e[k], r));
           }
         } else {
           const int r = get<0>(cdQ(4 * j)), c = col0 + get<1>(cdQ(4 * j));
           const int r2 = get<0>(cdQ(4 * j + 2)), c2 = col0 + get<1>(cdQ(4 * j + 2));
-          store2(tile_s + r * kRowElems + c, v[i][j].x * p.softmax_scale,
-                 v[i][j].y * p.softmax_scale);
-          store2(tile_s + r2 * kRowElems + c2, v[i][j].z * p.softmax_scale,
-                 v[i][j].w * p.softmax_scale);
+          store2(tile_s + r * kRowElems + c, out(v[i][j].x, r), out(v[i][j].y, r));
+          store2(tile_s + r2 * kRowElems + c2, out(v[i][j].z, r2), out(v[i][j].w, r2));
         }
       }
     }

@@ -158,6 +158,7 @@ struct BwdTraits {
     alignas(1024) char scratch[kScratchBytes];
     alignas(16) float lse[kStagesQ][kBlockM];    // the rows' lse in base 2, with Q's stage
     alignas(16) float dsum[kStagesdO][kBlockM];  // D = rowsum(dO o O), with dO's stage
+    alignas(16) float dq_scale[kStagesQ][kBlockM];  // deterministic mode's, with Q's stage
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelinedO::SharedStorage pipe_do;
     // The CTA's items in flight (fa3_bwd_items.h), a slot each, published with their K and V

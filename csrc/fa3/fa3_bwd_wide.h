@@ -36,7 +36,7 @@ struct BwdWideConsumer {
   // Consumer cw: the steps (if any), summing dK and dV of its head-dim half into acc_dk /
   // acc_dv and handing each step's dQ tile to the dQ writer. The pipelines' states go on from
   // the CTA's previous item; kv_phase: kv_full's phase of this item.
-  template <bool kScoreMod, class StateQ, class StatedO, class Acc>
+  template <bool kScoreMod, bool kFixed, class StateQ, class StatedO, class Acc>
   static __device__ __forceinline__ void mma(const BwdParams& p, typename Tr::SharedStorage& shared,
                                              typename Tr::PipelineQ& pipe_q,
                                              typename Tr::PipelinedO& pipe_do, StateQ& state_q,
@@ -89,6 +89,9 @@ struct BwdWideConsumer {
     // (key, row) of each S^T element, less (key0, rows0 + the step's first row).
     Tensor cS = thr_st.partition_C(make_identity_tensor(Shape<_64, Int<kRows>>{}));
     const int key0 = n_block * kBlockN, rows0 = kRows * cw;
+    // The thread's first row of its dQ values (the others 8 rows on: to_fixed).
+    const int dq_row0 = get<0>(thr_dq.partition_C(
+        make_identity_tensor(typename Tr::ShapedQAcc{}))(0));
     const BwdScore score(p, mask);
     const bool varlen = p.cu_seqlens_q != nullptr;
 
@@ -133,12 +136,21 @@ struct BwdWideConsumer {
         warpgroup_wait<2>();  // dV
         pipe_do.consumer_release(state_do);
         warpgroup_wait<1>();  // dK
+        // Deterministic mode: the thread's two rows' dQ scales (its values' rows r, r + 8),
+        // read before Q's stage, which holds them, is released.
+        float scale0 = 0.f, scale8 = 0.f;
+        if constexpr (kFixed) {
+          scale0 = shared.dq_scale[sq][dq_row0];
+          scale8 = shared.dq_scale[sq][dq_row0 + 8];
+        }
+        auto scale = [&](int dr, int) { return dr == 0 ? scale0 : scale8; };
         pipe_q.consumer_release(state_q);
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dq0);
         Tensor acc_dq1 = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kdQCols>>{});
         wgmma(mma_dq, tdQrdS, tdQrK(_, _, _, 2 * cw + 1), acc_dq1, true);
         // The upper half, clear of P^T / dS^T: free once the writer has read the last step's.
+        if constexpr (kFixed) Mainloop::to_fixed(acc_dq0, 2 * cw, scale);
         cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + 1);
         Mainloop::stage_dq(shared.dq(0), acc_dq0, 2 * cw);
         cutlass::arch::fence_view_async_shared();
@@ -146,6 +158,7 @@ struct BwdWideConsumer {
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_dq1);
         // Both consumers' GEMMs have read P^T / dS^T: the staging may overwrite them.
+        if constexpr (kFixed) Mainloop::to_fixed(acc_dq1, 2 * cw + 1, scale);
         cutlass::arch::NamedBarrier::sync(256, uint32_t(BwdBarrier::dSFree));
         Mainloop::stage_dq(shared.dq(0), acc_dq1, 2 * cw + 1);
         cutlass::arch::fence_view_async_shared();  // before the writer's bulk read

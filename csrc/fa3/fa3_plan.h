@@ -247,11 +247,10 @@ inline const char* plan_error(const FwdPlan& plan) {
 
 // ---- the backward ---------------------------------------------------------------------------
 
-// The backward's plan: its grid, its workspace (fa3_bwd_launch.cuh lays it out) and, in
-// deterministic mode, how many dQ accumulators.
+// The backward's plan: its grid and its workspace (fa3_bwd_launch.cuh lays it out).
 struct BwdPlan {
-  int64_t workspace_bytes = 0;  // dQ accumulators (fp32), item counter, lse in base 2, D, turns
-  int dq_copies = 1;            // dQ accumulators (deterministic mode, fa3_bwd_kernel.cuh)
+  int64_t workspace_bytes = 0;  // dQ accumulator, item counter, split region, K / V bounds,
+                                // lse in base 2, D, dQ scales (fa3_bwd_prep.cuh)
   int items = 0;                // (key tile, KV head, batch)
   int ctas = 0;                 // the grid
   bool persistent = false;      // ctas take the items in turn from a counter (bwd_persistent)
@@ -285,16 +284,11 @@ inline bool bwd_plain(const BwdParams& p) {
          p.softcap == 0.f && p.alibi_slopes == nullptr;
 }
 
-// Head dims whose default-mode backward keeps a CTA an SM taking (key tile, KV head, batch)
-// items in turn (fa3_bwd_kernel.cuh), not a CTA an item: the next item's K / V load under
-// this one's dK / dV stores (64 +6..10%, 128 / 256 up to +3%, 96 level; docs/fa3_decisions.md).
-// Not at 192 (-1.4..-1.9%): its 64-key items leave little to overlap. Deterministic calls keep
-// a CTA an item (their turns rely on CTAs starting in item order) but at the head dims below.
+// Head dims whose backward keeps a CTA an SM taking (key tile, KV head, batch) items in turn
+// (fa3_bwd_kernel.cuh), not a CTA an item: the next item's K / V load under this one's dK / dV
+// stores (64 +6..10%, 128 / 256 up to +3%, 96 level; docs/fa3_decisions.md). Not at 192
+// (-1.4..-1.9%): its 64-key items leave little to overlap.
 constexpr bool bwd_persistent(int kernel_hdim) { return kernel_hdim != 192; }
-// Head dims whose deterministic backward is persistent too, every item from the counter, in
-// order (fa3_bwd_items.h: first): 256, +2..+11% against a CTA an item; at 64-128 it lost
-// 2-19%, more the longer the sequence (docs/fa3_decisions.md).
-constexpr bool bwd_persistent_deterministic(int kernel_hdim) { return kernel_hdim == 256; }
 
 // The workspace's item counter (BwdScratch::next_item), after the dQ accumulators: 16 bytes, so
 // that lse and D after it stay 16-byte aligned for bulk copies.
@@ -306,12 +300,9 @@ inline int64_t bwd_split_bytes(int64_t split, int kernel_hdim) {
   return bwd_split_counter_bytes(split) + split * 2 * bwd_block_n(kernel_hdim) * kernel_hdim * 4;
 }
 
-// Deterministic calls whose key tiles all walk the same query tiles (no right bound on the
-// keys a row sees) add into up to this many dQ accumulators, summed in order at the
-// conversion: the chain of turns a dQ tile waits through is a quarter as long
-// (fa3_bwd_kernel.cuh). One copy per four key tiles, no more: each copy costs the conversion a
-// read of the whole accumulator, which outweighs chains shorter than four (docs/fa3_decisions.md).
-constexpr int kBwdDqCopies = 4;
+// Deterministic mode's bounds of |K| and of |V|'s rows (fa3_bwd_prep.cuh), a pair of floats
+// per (batch, KV head), after the split region: zeroed with the dQ accumulator.
+inline int64_t bwd_kv_bound_bytes(int64_t pairs) { return (pairs * 8 + 15) / 16 * 16; }
 
 // A causal call's last items taken key tile by key tile: about this many an SM
 // (BwdPlan::tail_pairs). Harness, H200, 1k / 2k / 4k / 8k causal: 128 +2.6 / +4.2 / +4.3 /
@@ -359,21 +350,21 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
   const int64_t key_tiles = ceil_div(p.seqlen_k, bwd_block_n(kernel_hdim));
   BwdPlan plan;
   plan.block_m = block_m;
-  if (p.deterministic && !p.causal && p.window_right < 0) {
-    plan.dq_copies = int(std::clamp<int64_t>(key_tiles / 4, 1, kBwdDqCopies));
+  // Per row: the accumulator (fp32, or deterministic mode's fixed point in int32), lse, D and,
+  // deterministic, the row's dQ scale.
+  plan.workspace_bytes = rows * (kernel_hdim + (p.deterministic ? 3 : 2)) * 4 + kBwdCounterBytes;
+  if (p.deterministic) {
+    plan.workspace_bytes += bwd_kv_bound_bytes(int64_t(p.batch) * p.heads_k);
   }
-  const int64_t turns = p.deterministic ? plan.dq_copies * rows / block_m : 0;
-  plan.workspace_bytes =
-      rows * (kernel_hdim * plan.dq_copies + 2) * 4 + kBwdCounterBytes + turns * 4;
   const int64_t items = key_tiles * p.heads_k * p.batch;
   plan.items = int(std::min<int64_t>(items, INT_MAX));  // plan_error: past INT_MAX
   // Persistent: the next item's K / V and first Q load under this one's last steps and
   // dK / dV stores.
-  plan.persistent = bwd_persistent(kernel_hdim) &&
-                    (!p.deterministic || bwd_persistent_deterministic(kernel_hdim));
+  plan.persistent = bwd_persistent(kernel_hdim);
   plan.ctas = plan.persistent ? std::min(plan.items, std::max(p.num_sms, 1)) : plan.items;
   // The split (bwd_split_parts): persistent default-mode calls of dense full attention, whose
-  // items all walk the same query tiles.
+  // items all walk the same query tiles (deterministic mode: the parts' fp32 adds of dK / dV
+  // come in any order).
   const bool dense = p.cu_seqlens_q == nullptr && p.cu_seqlens_k == nullptr &&
                      p.seqused_q == nullptr && p.seqused_k == nullptr;
   if (plan.persistent && !p.deterministic && !p.causal && p.window_left < 0 &&
@@ -396,7 +387,7 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
   // then share a few pairs' Q and dO in L2), the last pairs' long items would start when the
   // other CTAs are nearly done; so the last pairs, kBwdTailItems items an SM, go key tile by
   // key tile over all of them, and the last items taken are short ones (fa3_bwd_items.h).
-  if (p.causal && p.window_left < 0 && !p.deterministic) {
+  if (p.causal && p.window_left < 0) {
     const int64_t pairs = int64_t(p.heads_k) * p.batch;
     plan.tail_pairs = int(std::clamp<int64_t>(
         ceil_div(int64_t(kBwdTailItems) * std::max(p.num_sms, 1), key_tiles), 1, pairs));

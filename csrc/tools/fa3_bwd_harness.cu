@@ -212,7 +212,7 @@ int main(int argc, char** argv) {
     }
     void* workspace;
     cudaMalloc(&workspace, size_t(plan.workspace_bytes));
-    // poison: NaN in fp32 (the deterministic mode zeroes only its turn counters)
+    // poison: NaN in fp32 (the launcher zeroes what it relies on)
     cudaMemset(workspace, 0xff, size_t(plan.workspace_bytes));
     p.workspace = workspace;
     p.workspace_bytes = plan.workspace_bytes;

@@ -1,19 +1,17 @@
-// The backwards' walk over query tiles (csrc/common/query_tiles.h) and FA3's deterministic dQ
-// order, on the CPU, for random lengths, masks (full, causal, two-sided and one-sided windows),
-// grids with more key tiles than the sequence (variable-length batches) and 1-4 dQ
-// accumulators:
+// The backwards' walk over query tiles (csrc/common/query_tiles.h) and FA2's deterministic dQ
+// order, on the CPU, for random lengths, masks (full, causal, two-sided and one-sided windows)
+// and grids with more key tiles than the sequence (variable-length batches):
 //   - every visible (row, key) lies in the walk of its key tile;
-//   - the key tiles that walk a query tile (as FA3's BwdSteps: query_tiles' range, none past
-//     the keys) are one unbroken run, and the turns last_key_tile_of gives, (last - n) /
-//     copies, count 0, 1, 2, ... down each accumulator's key tiles: the order is fixed and
-//     every turn comes from a later key tile, which the grid starts first, so the waits end.
+//   - the key tiles that walk a query tile (as the backwards' steps: query_tiles' range, none
+//     past the keys) are one unbroken run, and the turns first_key_tile_of gives, n - first,
+//     count 0, 1, 2, ... up the key tiles: the order is fixed and every turn comes from an
+//     earlier key tile.
 // Built with the CUTLASS / CUDA headers (tests/test_plans.py); the device code runs on the host.
 #include <algorithm>
 using std::max;  // the device code's min / max, on the host
 using std::min;
 
 #include <cstdlib>
-#include <map>
 #include <vector>
 
 #include "common/query_tiles.h"
@@ -22,7 +20,7 @@ using std::min;
 using flash::FwdParams;
 using flash::Mask;
 
-constexpr int kBlockM = 64, kBlockN = 128;  // FA3's backward tile (fa3_bwd_traits.h)
+constexpr int kBlockM = 64, kBlockN = 128;  // a backward tile (FA3's, fa3_bwd_traits.h)
 
 int main() {
   srand(1);
@@ -39,7 +37,6 @@ int main() {
     const Mask mask(p, seqlen_q, seqlen_k);
     const int key_tiles = flash::div_up(seqlen_k, kBlockN);
     const int grid_tiles = key_tiles + rand() % 3;
-    const int copies = 1 + rand() % 4;
     auto walk = [&](int n) {  // [begin, end) of key tile n's walk
       const flash::QueryTiles t = flash::query_tiles<kBlockM, kBlockN>(mask, n);
       return std::pair<int, int>(t.begin, n * kBlockN < seqlen_k ? t.end : 0);
@@ -51,19 +48,15 @@ int main() {
       CHECK(begin <= i / kBlockM && i / kBlockM < end);
     }
     for (int m = 0; m < flash::div_up(seqlen_q, kBlockM); ++m) {
-      std::vector<int> walkers;  // descending
-      std::map<int, std::vector<int>> turns;  // accumulator -> turns, in the walkers' order
-      for (int n = grid_tiles - 1; n >= 0; --n) {
+      std::vector<int> walkers;  // ascending
+      for (int n = 0; n < grid_tiles; ++n) {
         const auto [begin, end] = walk(n);
         if (m < begin || m >= end) continue;
+        const int first = flash::first_key_tile_of<kBlockM, kBlockN>(mask, m, n);
+        CHECK(n - first == int(walkers.size()));
         walkers.push_back(n);
-        const int last = flash::last_key_tile_of<kBlockM, kBlockN>(mask, m, n);
-        turns[n % copies].push_back((last - n) / copies);
       }
-      for (size_t w = 1; w < walkers.size(); ++w) CHECK(walkers[w] == walkers[w - 1] - 1);
-      for (const auto& [copy, seen] : turns) {
-        for (size_t k = 0; k < seen.size(); ++k) CHECK(seen[k] == int(k));
-      }
+      for (size_t w = 1; w < walkers.size(); ++w) CHECK(walkers[w] == walkers[w - 1] + 1);
     }
   }
   return check_status("bwd order");

@@ -143,10 +143,9 @@ int main() {
   CHECK(!fwd_tiles(80).wide.exists());
 
   // The backward: dQ accumulator (fp32, rows padded to 64 per head), the item counter (16
-  // bytes), lse, D; deterministic calls add one turn counter per 64 rows, and those without a
-  // right bound on the keys (full, a left window) four accumulators, or one per key tile below
-  // that. A CTA an SM takes the (key tile, KV head, batch) items; deterministic, and at head dim
-  // 192, a CTA an item.
+  // bytes), lse, D; deterministic calls (a fixed-point accumulator of the same size) add the K /
+  // V bounds (8 bytes a (batch, KV head), 16-byte aligned) and a dQ scale a row. A CTA an SM
+  // takes the (key tile, KV head, batch) items, in both modes; at head dim 192 a CTA an item.
   {
     auto bwd = [](FwdParams f, bool deterministic) {
       BwdParams p;
@@ -160,7 +159,7 @@ int main() {
     Tuning no_split;
     no_split.fa3_bwd_split = 0;
     const BwdPlan plain = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128, no_split);
-    CHECK(plain.dq_copies == 1 && plain.workspace_bytes == rows * (128 + 2) * 4 + 16);
+    CHECK(plain.workspace_bytes == rows * (128 + 2) * 4 + 16);
     CHECK(plain.items == 48 && plain.split_parts == 1 && plain.split_items == 0);
     CHECK(plain.block_m == 64);
     // Plain calls at head dim 64: 96-row steps, scratch rows padded to 1056.
@@ -192,25 +191,22 @@ int main() {
     CHECK(many128.persistent && many128.ctas == 132);
     CHECK(!plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 192).persistent);
     const BwdPlan full = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 128);
-    CHECK(full.dq_copies == 3 && full.block_m == 64);  // 12 key tiles: chains of 4
-    CHECK(full.workspace_bytes == rows * (3 * 128 + 2) * 4 + 16 + 3 * rows / 64 * 4);
-    const BwdPlan ordered = plan_bwd(bwd(call(16, 1024, 1024, 16, 16), true), 64);
-    CHECK(!ordered.persistent && ordered.ctas == many.items);
-    // At 256 deterministic calls are persistent too: the counter hands out items in order.
-    const BwdPlan ordered256 = plan_bwd(bwd(call(16, 1024, 1024, 8, 8), true), 256);
-    CHECK(ordered256.persistent && ordered256.ctas == 132);
-    const BwdPlan masked = plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), true), 64);
-    CHECK(masked.dq_copies == 1 &&
-          masked.workspace_bytes == rows * (64 + 2) * 4 + 16 + rows / 64 * 4);
+    CHECK(full.block_m == 64 && full.workspace_bytes == rows * (128 + 3) * 4 + 16 + 32);
+    CHECK(full.split_parts == 1 && full.persistent && full.ctas == full.items);
+    const BwdPlan det = plan_bwd(bwd(call(16, 1024, 1024, 16, 16), true), 64);
+    CHECK(det.persistent && det.ctas == 132 && det.items == many.items);
+    CHECK(!plan_bwd(bwd(call(16, 1024, 1024, 16, 16), true), 192).persistent);
+    const BwdPlan masked = plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 3)), true), 64);
+    CHECK(masked.workspace_bytes == rows * (64 + 3) * 4 + 16 + 48);
     // Causal calls take their last pairs' items key tile by key tile, at least two items an SM
     // (264 on 132 SMs): at 128, 4k (32 key tiles) the last 9 of 64 pairs; 1k (8 tiles) 33;
     // 16k (128 tiles) 3; a call of 2 pairs all of them; at 192 / 256 (64-key tiles) 4k the
-    // last 5; at 64, 4k, 9 of 128. Full, windowed and deterministic calls none.
+    // last 5; at 64, 4k, 9 of 128 (deterministic calls alike). Full and windowed calls none.
     CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 16, 16)), false), 128).tail_pairs == 9);
     CHECK(plan_bwd(bwd(causal(call(16, 1024, 1024, 16, 16)), false), 128).tail_pairs == 33);
     CHECK(plan_bwd(bwd(causal(call(1, 16384, 16384, 16, 16)), false), 128).tail_pairs == 3);
     CHECK(plan_bwd(bwd(causal(call(1, 1024, 1024, 4, 2)), false), 128).tail_pairs == 2);
-    CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 16, 16)), true), 128).tail_pairs == 1);
+    CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 16, 16)), true), 128).tail_pairs == 9);
     CHECK(plan_bwd(bwd(call(4, 4096, 4096, 16, 16), false), 128).tail_pairs == 1);
     CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 8, 8)), false), 256).tail_pairs == 5);
     CHECK(plan_bwd(bwd(causal(call(4, 4096, 4096, 10, 10)), false), 192).tail_pairs == 5);
@@ -259,12 +255,6 @@ int main() {
     CHECK(plan_error(plan_bwd(bwd(call(1 << 16, 64, 1 << 16, 256, 256), false), 128)));
     // 1.5 * 2^30 items, a CTA each: accepted (only a persistent grid counts past its items).
     CHECK(!plan_error(plan_bwd(bwd(call(1 << 16, 64, 96 * 64, 256, 256), false), 192)));
-    CHECK(plan_bwd(bwd(left, true), 128).dq_copies == 3);
-    FwdParams right = left;
-    right.window_right = 40;
-    CHECK(plan_bwd(bwd(right, true), 128).dq_copies == 1);
-    CHECK(plan_bwd(bwd(call(1, 64, 200, 2, 2), true), 128).dq_copies == 1);  // two key tiles
-    CHECK(plan_bwd(bwd(call(1, 64, 4096, 2, 2), true), 128).dq_copies == 4);  // 32 key tiles
   }
   return check_status("fa3 plan");
 }
