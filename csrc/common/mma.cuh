@@ -178,15 +178,6 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// The same for global memory: this thread's generic-proxy accesses ordered with its async-proxy
-// ones (fa3's deterministic dQ turns: bulk adds issued after an acquire, complete before a
-// release).
-__device__ __forceinline__ void fence_proxy_async_global() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-#endif
-}
-
 // dst[0 .. 4) += (a, b, c, d) in fp32 (dst 16-byte aligned; FA2's dQ fragments, FA3's split
 // dK / dV). On sm90 one vector reduction, not atomicAdd(float4*): that one is an ATOMG whose
 // (unused) result and branch around it cost more than the add; before it four atomics.

@@ -65,11 +65,12 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   // preprocess's stores, interleaved with its loads, did not reach.
   FLASH_CHECK_CUDA(cudaMemsetAsync(
       s.dq, 0, size_t(reinterpret_cast<char*>(s.lse2) - reinterpret_cast<char*>(s.dq)), stream));
-  if (p.deterministic) {
-    const dim3 grid(unsigned((p.seqlen_k + kBwdBoundRows - 1) / kBwdBoundRows),
-                    unsigned(p.heads_k), unsigned(p.batch));
-    if (grid.x > 0) {
-      bwd_kv_bound_kernel<T, kHeadDim><<<grid, kBwdPrepThreads, 0, stream>>>(p, s);
+  if (p.deterministic) {  // the K / V bounds of the dQ scales, before the preprocess
+    const int chunks = (p.seqlen_k + kBwdBoundRows - 1) / kBwdBoundRows;
+    const int64_t blocks = int64_t(chunks) * p.heads_k * p.batch;
+    if (blocks > 0) {
+      bwd_kv_bound_kernel<T, kHeadDim>
+          <<<unsigned(blocks), kBwdPrepThreads, 0, stream>>>(p, s, chunks);
       FLASH_CHECK_LAUNCH();
     }
   }

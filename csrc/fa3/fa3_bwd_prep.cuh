@@ -49,7 +49,7 @@ struct BwdScratch {
   float* dq_scale;   // nullptr unless deterministic
   float* kv_bound;   // nullptr unless deterministic: (max |K|, max |V_j|^2) per (batch, KV head)
   int64_t rows_pad;  // per (batch, head)
-  unsigned* next_item;  // items taken (past the CTAs' first, gridDim.x, unless counted)
+  unsigned* next_item;  // items taken past the CTAs' first (gridDim.x)
   int items;            // (key tile, KV head, batch): BwdPlan's
   int tail_pairs;       // the last pairs, taken key tile by key tile: BwdPlan's
   // The split items (BwdPlan::split_items; fa3_bwd_items.h): items from split_first are their
@@ -63,7 +63,8 @@ struct BwdScratch {
 
 // The fixed-point scale of a row whose dO has squared norm do2, for K / V bounds kv: 2^e with
 // 2^e x (the row's bound) < 2^30, from the factors' exponents (no product that could overflow);
-// NaN where a factor is (so dQ's row is NaN, as it would be in default mode).
+// NaN where a factor is NaN or inf (dQ's row is then NaN). Limits: e is clamped to float's
+// range (a bound past 2^156 would saturate), and do2 overflows past |dO| ~ 1.8e19 (bf16).
 __device__ __forceinline__ float dq_fixed_scale(float do2, const float* kv) {
   const float factors[3] = {sqrtf(do2), kv[0], sqrtf(kv[1])};
   int e = 30 - 2;  // the bound's factor 2, and < 2 for rounding (1.02 would do)
@@ -105,32 +106,40 @@ __device__ __forceinline__ void store2(T* ptr, float a, float b) {
 }
 
 // Deterministic mode's bounds (kv_bound, zeroed): a block per (key rows chunk, KV head, batch),
-// bwd_prep_lanes lanes a row; per block the largest |K| element and squared |V| row norm, one
-// atomic max each (non-negative floats order as their bits; NaN's above inf).
+// flattened (batch may pass a grid's 65535), bwd_prep_lanes lanes a row; per block the largest
+// |K| element and squared |V| row norm, one atomic max each (non-negative floats order as their
+// bits; NaN's above inf, and kept: a NaN in K or V makes its (batch, KV head)'s dQ NaN).
 constexpr int kBwdBoundRows = 256;  // key rows a block
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kBwdPrepThreads)
-    bwd_kv_bound_kernel(const __grid_constant__ BwdParams p, const BwdScratch s) {
+    bwd_kv_bound_kernel(const __grid_constant__ BwdParams p, const BwdScratch s, int chunks) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kLanes = bwd_prep_lanes<kHeadDim>(), kRowsPerStep = kBwdPrepThreads / kLanes;
+  static_assert(kBwdBoundRows % kRowsPerStep == 0);
   __shared__ float block_max[2][kBwdPrepThreads / 32];
-  const int lane = threadIdx.x % kLanes, head_k = blockIdx.y;
-  const SeqInfo seq(p, blockIdx.z);
-  const int rows = seq.seqlen_k(p), row_end = min(rows, int(blockIdx.x + 1) * kBwdBoundRows);
+  const int chunk = int(blockIdx.x % unsigned(chunks));
+  const int pair = int(blockIdx.x / unsigned(chunks));  // batch * heads_k + head_k
+  const int head_k = pair % p.heads_k;
+  const SeqInfo seq(p, pair / p.heads_k);
+  const int row_end = min(seq.seqlen_k(p), (chunk + 1) * kBwdBoundRows);
+  const int lane = threadIdx.x % kLanes;
   const T* k = static_cast<const T*>(p.k) + seq.k_offset(p, head_k) + lane * 8;
   const T* v = static_cast<const T*>(p.v) + seq.v_offset(p, head_k) + lane * 8;
+  // NaN-keeping maxima (fmaxf would drop a NaN).
+  auto keep_max = [](float m, float x) { return x > m || x != x ? x : m; };
   float kmax = 0.f, vmax = 0.f;
-  for (int r = blockIdx.x * kBwdBoundRows + threadIdx.x / kLanes; r < row_end; r += kRowsPerStep) {
+  // The same trip count in every thread of the block (the shuffles want whole warps).
+  for (int r0 = chunk * kBwdBoundRows; r0 < (chunk + 1) * kBwdBoundRows; r0 += kRowsPerStep) {
+    const int r = r0 + int(threadIdx.x) / kLanes;
     float v2 = 0.f;
-    if (lane * 8 < p.head_dim) {
+    if (r < row_end && lane * 8 < p.head_dim) {
       const uint4 kv = __ldg(reinterpret_cast<const uint4*>(k + int64_t(r) * p.k_strides.row));
       const uint4 vv = __ldg(reinterpret_cast<const uint4*>(v + int64_t(r) * p.v_strides.row));
       const uint32_t kw[4] = {kv.x, kv.y, kv.z, kv.w}, vw[4] = {vv.x, vv.y, vv.z, vv.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
         const float2 x = bwd_to_float2<T>(kw[w]), y = bwd_to_float2<T>(vw[w]);
-        kmax = fmaxf(kmax, fmaxf(fabsf(x.x), fabsf(x.y)));
-        if (x.x != x.x || x.y != x.y) kmax = __int_as_float(0x7fc00000);  // fmaxf drops NaN
+        kmax = keep_max(keep_max(kmax, fabsf(x.x)), fabsf(x.y));
         v2 = fmaf(y.x, y.x, fmaf(y.y, y.y, v2));
       }
     }
@@ -138,7 +147,7 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     for (int offset = kLanes / 2; offset > 0; offset /= 2) {
       v2 += __shfl_xor_sync(0xffffffffu, v2, offset);
     }
-    vmax = v2 > vmax || v2 != v2 ? v2 : vmax;
+    vmax = keep_max(vmax, v2);
   }
   // The block's maxima as unsigned bits (max of the bits is the max of non-negative floats).
   unsigned km = __float_as_uint(kmax), vm = __float_as_uint(vmax);
@@ -157,9 +166,7 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     for (int w = 0; w < kBwdPrepThreads / 32; ++w) {
       m = max(m, __float_as_uint(block_max[threadIdx.x][w]));
     }
-    atomicMax(reinterpret_cast<unsigned*>(s.kv_bound) +
-                  2 * (int64_t(blockIdx.z) * p.heads_k + head_k) + threadIdx.x,
-              m);
+    atomicMax(reinterpret_cast<unsigned*>(s.kv_bound) + 2 * int64_t(pair) + threadIdx.x, m);
   }
 #endif
 }
@@ -262,7 +269,7 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     const float* scale = s.dq_scale == nullptr ? nullptr : s.dq_scale + tile * kBlockM;
     auto out = [&](float x, int r) {
       return scale == nullptr ? x * p.softmax_scale
-                              : float(__float_as_int(x)) * (p.softmax_scale / scale[r]);
+                              : float(__float_as_int(x)) * p.softmax_scale * (1.f / scale[r]);
     };
     CUTE_UNROLL
     for (int i = 0; i < kParts; ++i) {

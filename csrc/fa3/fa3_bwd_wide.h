@@ -106,9 +106,8 @@ struct BwdWideConsumer {
       for (int m = steps.m_begin; m < steps.m_end; ++m) {
         const int sq = state_q.index(), sdo = state_do.index();
         // Each step derives the k-blocks' descriptors again, next to their GEMMs, at the head
-        // dim whose default kernel loops over items (bwd_persistent), which would otherwise
-        // hoist them out of it; its deterministic kernel of one item too (measured level). At
-        // 192, with no item loop, it cost 0.8-1.6% (H200).
+        // dim whose kernel loops over items (bwd_persistent), which would otherwise hoist them
+        // out of it. At 192, with no item loop, it cost 0.8-1.6% (H200).
         if constexpr (bwd_persistent(Tr::kHeadDim)) {
           hide_desc_base(tSrK, tSrQ, tdPrV, tdPrdO, tdVrP, tdVrdO, tdKrdS, tdKrQ, tdQrdS, tdQrK);
         }
@@ -142,6 +141,7 @@ struct BwdWideConsumer {
         if constexpr (kFixed) {
           scale0 = shared.dq_scale[sq][dq_row0];
           scale8 = shared.dq_scale[sq][dq_row0 + 8];
+          compiler_fence();  // the reads before the release (its asm has no memory clobber)
         }
         auto scale = [&](int dr, int) { return dr == 0 ? scale0 : scale8; };
         pipe_q.consumer_release(state_q);
