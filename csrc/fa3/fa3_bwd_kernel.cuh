@@ -105,9 +105,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (w.steps.count() == 0) {
         cutlass::arch::ClusterBarrier::arrive(kv_full);  // dK = dV = 0, no loads
       } else {
-        BwdMainloop<Tr>::template load<kFixed>(p, tma, s, shared, Items::slot(published), pipe_q, pipe_do,
-                              state_q, state_do, w.seq, w.steps, w.it.n_block, w.it.head_k,
-                              w.it.batch);
+        BwdMainloop<Tr>::template load<kFixed>(p, tma, s, shared, Items::slot(published),
+                                               pipe_q, pipe_do, state_q, state_do, w.seq,
+                                               w.steps, w.it.n_block, w.it.head_k, w.it.batch);
       }
       // A CTA of one item publishes no end: an arrive now would land in the item's own
       // phase of kv_full, before its bytes.

@@ -77,7 +77,9 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   constexpr int kRowsPerStep = kBwdPrepThreads / bwd_prep_lanes<kHeadDim>();
   const int64_t prep_blocks = std::min<int64_t>((rows + kRowsPerStep - 1) / kRowsPerStep,
                                                 int64_t(std::max(p.num_sms, 1)) * 16);
-  bwd_prep_kernel<T, kHeadDim><<<unsigned(prep_blocks), kBwdPrepThreads, 0, stream>>>(p, s);
+  auto prep = p.deterministic ? bwd_prep_kernel<T, kHeadDim, true>
+                              : bwd_prep_kernel<T, kHeadDim, false>;
+  prep<<<unsigned(prep_blocks), kBwdPrepThreads, 0, stream>>>(p, s);
   FLASH_CHECK_LAUNCH();
 
   // TMA views of the tensors (fa3_utils.h: tma_view).
@@ -126,7 +128,9 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   const int64_t tiles = rows / Tr::kBlockM;
   const unsigned convert_blocks =
       unsigned(std::min<int64_t>(tiles, int64_t(std::max(p.num_sms, 1)) * 16));
-  bwd_convert_dq_kernel<Tr><<<convert_blocks, kBwdPrepThreads, 0, stream>>>(p, s);
+  auto convert = p.deterministic ? bwd_convert_dq_kernel<Tr, true>
+                                 : bwd_convert_dq_kernel<Tr, false>;
+  convert<<<convert_blocks, kBwdPrepThreads, 0, stream>>>(p, s);
   FLASH_CHECK_LAUNCH();
 }
 

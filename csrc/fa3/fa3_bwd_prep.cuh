@@ -19,7 +19,8 @@
 // |D_i| <= max_j |dP_ij|, |dP_ij| <= |dO_i| |V_j|; softcap's derivative is at most 1), and each
 // key tile's share by the same, so no add overflows (two's complement would wrap back anyway).
 // The rounding costs 2^-e per add, below 2^-28 of the bound: against bf16's 2^-9 of the
-// value, negligible unless the bound exceeds the row's dQ by 2^15 or so.
+// value, negligible unless the bound exceeds the row's dQ by 2^15 or so. A NaN in dO, K or V
+// makes the scales NaN, hence dQ; one in q alone rounds to 0 (it shows in dK / dV).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -171,9 +172,9 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
 #endif
 }
 
-// bwd_prep_lanes lanes a row, 16 bytes of dO and O each; deterministic mode's row scales from
-// dO's norm and kv_bound (bwd_kv_bound_kernel, launched before).
-template <typename T, int kHeadDim>
+// bwd_prep_lanes lanes a row, 16 bytes of dO and O each; kFixed (deterministic mode): the row
+// scales too, from dO's norm and kv_bound (bwd_kv_bound_kernel, launched before).
+template <typename T, int kHeadDim, bool kFixed>
 __global__ void __launch_bounds__(kBwdPrepThreads)
     bwd_prep_kernel(const __grid_constant__ BwdParams p, const BwdScratch s) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -181,7 +182,6 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
   static_assert(kLanes * 8 >= kHeadDim && 32 % kLanes == 0);
   const int64_t total = int64_t(p.batch) * p.heads * s.rows_pad;
   const int lane = threadIdx.x % kLanes;
-  const bool fixed = s.dq_scale != nullptr;
   // Read-only loads (ld.global.nc), which the compiler may move above the previous row's
   // stores: two rows' loads in flight a thread.
 #pragma unroll 2
@@ -202,19 +202,19 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
       for (int w = 0; w < 4; ++w) {
         const float2 x = bwd_to_float2<T>(dw[w]), y = bwd_to_float2<T>(ow[w]);
         acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
-        do2 = fmaf(x.x, x.x, fmaf(x.y, x.y, do2));
+        if constexpr (kFixed) do2 = fmaf(x.x, x.x, fmaf(x.y, x.y, do2));
       }
     }
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset /= 2) {
       acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-      if (fixed) do2 += __shfl_xor_sync(0xffffffffu, do2, offset);
+      if constexpr (kFixed) do2 += __shfl_xor_sync(0xffffffffu, do2, offset);
     }
     if (lane == 0) {
       s.dsum[row] = acc;
       // lse is +inf for a row that saw no key: P = 0 there as past the sequence.
       s.lse2[row] = live ? p.lse[seq.lse_offset(p, h) + r] * float(M_LOG2E) : INFINITY;
-      if (fixed) {
+      if constexpr (kFixed) {
         const int head_k = h / (p.heads / p.heads_k);
         s.dq_scale[row] =
             dq_fixed_scale(do2, s.kv_bound + 2 * (int64_t(seq.batch) * p.heads_k + head_k));
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
 // MMA's thread layout gives. All of a thread's loads are issued before its first store (the
 // loads and stores may alias for the compiler, so it keeps the order it is given), and the
 // tile goes out through shared memory as 16-byte row pieces, not 4-byte ones.
-template <class Tr>
+template <class Tr, bool kFixed>
 __global__ void __launch_bounds__(kBwdPrepThreads)
     bwd_convert_dq_kernel(const __grid_constant__ BwdParams p, const BwdScratch s) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -264,12 +264,15 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
         v[i][j] = src[(Tr::dq_slot(cw + 2 * i) * kVecs + j) * 128 + tid];
       }
     }
-    // Value x of tile row r, times softmax_scale: in deterministic mode x's bits are the fixed
-    // point int32, over the row's scale (a power of two).
-    const float* scale = s.dq_scale == nullptr ? nullptr : s.dq_scale + tile * kBlockM;
+    // Value x of tile row r, times softmax_scale; kFixed: x's bits are the fixed-point int32,
+    // over the row's scale (a power of two).
+    const float* scale = s.dq_scale + tile * kBlockM;
     auto out = [&](float x, int r) {
-      return scale == nullptr ? x * p.softmax_scale
-                              : float(__float_as_int(x)) * p.softmax_scale * (1.f / scale[r]);
+      if constexpr (kFixed) {
+        return float(__float_as_int(x)) * p.softmax_scale * (1.f / scale[r]);
+      } else {
+        return x * p.softmax_scale;
+      }
     };
     CUTE_UNROLL
     for (int i = 0; i < kParts; ++i) {
