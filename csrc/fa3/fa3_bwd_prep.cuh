@@ -18,9 +18,10 @@
 // |dQ_i| <= max|K| sum_j P_ij |dP_ij - D_i| <= 2 max|K| |dO_i| max_j |V_j| (sum_j P_ij = 1,
 // |D_i| <= max_j |dP_ij|, |dP_ij| <= |dO_i| |V_j|; softcap's derivative is at most 1), and each
 // key tile's share by the same, so no add overflows (two's complement would wrap back anyway).
-// The rounding costs 2^-e per add, below 2^-28 of the bound: against bf16's 2^-9 of the
-// value, negligible unless the bound exceeds the row's dQ by 2^15 or so. A NaN in dO, K or V
-// makes the scales NaN, hence dQ; one in q alone rounds to 0 (it shows in dK / dV).
+// The rounding costs at most 2^-e / 2 per add, 2^-30 to 2^-27 of the bound (dq_fixed_scale
+// takes the factors' exponents): against bf16's 2^-9 of the value, small unless the bound
+// exceeds the row's values by some 2^13 (128 adds of random sign). A NaN in dO, K or V makes
+// the scales NaN, hence dQ; one in q alone rounds to 0 (it shows in dK / dV).
 #pragma once
 
 #include <cuda_bf16.h>
