@@ -29,6 +29,9 @@ REPO_ROOT = BENCH_DIR.parent
 DEFAULT_OUT_DIR = BENCH_DIR / "results"
 
 OUR_FAMILIES = ("fa1", "fa2", "fa3")
+# "<family>+det": that family with deterministic=True (the backward's bitwise-reproducible mode).
+DET_SUFFIX = "+det"
+OUR_NAMES = OUR_FAMILIES + tuple(f + DET_SUFFIX for f in OUR_FAMILIES)
 BASELINES = ("cudnn", "sdpa_flash", "sdpa_efficient", "torch")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -116,18 +119,22 @@ def make_backends(names: list[str], fa, ours: list[str],
     for name in names:
         if name in BASELINES:
             backends.append(Backend(name, "baseline", BASELINE_FNS[name], None))
-        elif name in ours:
-            backends.append(Backend(name, "ours", _ours_fn(fa, name), None))
+        elif name.removesuffix(DET_SUFFIX) in ours:
+            family = name.removesuffix(DET_SUFFIX)
+            backends.append(Backend(name, "ours", _ours_fn(fa, family,
+                                                           deterministic=family != name), None))
         else:
             why = ours_error or f"not run by this device/build (available_backends() = {ours})"
             backends.append(Backend(name, "ours", None, why))
     return backends
 
 
-def _ours_fn(fa, name: str, tuning: dict | None = None) -> AttnFn:
+def _ours_fn(fa, name: str, tuning: dict | None = None, deterministic: bool = False) -> AttnFn:
     """flash_attn_func on family name; tuning: its private overrides of the kernels' automatic
-    choices (csrc/common/tuning.h), for A/B runs."""
+    choices (csrc/common/tuning.h), for A/B runs; deterministic: its backward's mode."""
     extra = {"_tuning": tuning} if tuning else {}
+    if deterministic:
+        extra["deterministic"] = True
 
     def fn(q, k, v, causal):
         return fa.flash_attn_func(q, k, v, causal=causal, backend=name, **extra)

@@ -381,7 +381,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="subset of fwd,bwd,fwd_bwd (default all)")
     p.add_argument("--backends", default="ours," + ",".join(C.BASELINES),
                    help="comma list of our families (fa1, fa2, fa3; 'ours' = every family "
-                        "flash_attn.available_backends() lists) and baselines "
+                        "flash_attn.available_backends() lists; 'fa3+det' = fa3 with "
+                        "deterministic=True) and baselines "
                         f"({', '.join(C.BASELINES)}) (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(C.DTYPES), default="bf16", help="(default bf16)")
     p.add_argument("--total-tokens", type=int, default=16384,
@@ -410,8 +411,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     C.apply_preset(args, QUICK if args.quick else FULL)
     try:
         args.modes = C.parse_name_list(args.modes, MODES)
-        args.backends = C.parse_name_list(args.backends,
-                                          ("ours", *C.OUR_FAMILIES, *C.BASELINES))
+        args.backends = C.parse_name_list(args.backends, ("ours", *C.OUR_NAMES, *C.BASELINES))
     except ValueError as e:
         p.error(str(e))
     args.warmup = max(1, args.warmup)

@@ -14,6 +14,7 @@ import io
 import json
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -67,6 +68,15 @@ def check_helpers() -> None:
     assert [C.fmt_seqlen(s) for s in (512, 1024, 16384, 1536)] == ["512", "1k", "16k", "1536"]
     expanded = C.expand_backend_names(["ours", "cudnn", "fa1"], ["fa2", "fa1"])
     assert expanded == ["fa2", "fa1", "cudnn"]
+    calls = []  # "fa3+det": fa3's flash_attn_func with deterministic=True; not built: refused
+    fake_fa = types.SimpleNamespace(flash_attn_func=lambda *a, **kw: calls.append(kw))
+    det, plain, absent = C.make_backends(["fa3+det", "fa3", "fa2+det"], fake_fa, ["fa3"], None)
+    assert det.kind == "ours" and absent.fn is None and absent.unavailable
+    det.fn(None, None, None, True), plain.fn(None, None, None, True)
+    assert calls == [dict(causal=True, backend="fa3", deterministic=True),
+                     dict(causal=True, backend="fa3")]
+    assert BA.parse_args(["--backends", "fa3,fa3+det,cudnn"]).backends == ["fa3", "fa3+det",
+                                                                           "cudnn"]
     assert C.describe_error(torch.cuda.OutOfMemoryError("CUDA out of memory.")) == "OOM"
 
 
