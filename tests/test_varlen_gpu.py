@@ -159,9 +159,9 @@ def test_features(family, d, attn):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_deterministic_backward(family, causal):
-    """deterministic=True on a ragged batch: the rule, and five runs equal bit for bit (the
-    turns of the dQ adds skip the key tiles past a shorter sequence; without a mask fa3 adds
-    into several accumulator copies, of which a short sequence's tiles reach only some)."""
+    """deterministic=True on a ragged batch: the rule, and five runs equal bit for bit (fa2
+    orders its dQ adds by turns that skip the key tiles past a shorter sequence; fa3 adds in
+    fixed point, with K / V bounds and dQ scales per sequence)."""
     dtype, d = torch.bfloat16, 128
     skip_unless_varlen(family, dtype, d, ("fwd", "bwd"))
     lengths_q, lengths_k = RAGGED
