@@ -142,15 +142,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     clear(acc_dv);
     if constexpr (Tr::kWide) {  // all keys of the tile, head-dim half cw
       BwdWideConsumer<Tr>::template mma<kScoreMod, kFixed>(p, shared, pipe_q, pipe_do, state_q,
-                                                   state_do, Items::phase(taken), w.seq,
-                                                   w.mask, w.steps, w.it.n_block, w.it.head_k,
-                                                   cw, acc_dk, acc_dv);
+                                                           state_do, Items::phase(taken), w.seq,
+                                                           w.mask, w.steps, w.it.n_block,
+                                                           w.it.head_k, cw, acc_dk, acc_dv);
     } else {  // keys [64 cw, 64 cw + 64) of the tile, all the head dim
-      BwdMainloop<Tr>::template mma<kScoreMod, kVRegs, kFixed>(p, shared, pipe_q, pipe_do, state_q,
-                                                       buf, Items::slot(taken),
-                                                       Items::phase(taken), w.seq, w.mask,
-                                                       w.steps, w.it.n_block, w.it.head_k, cw,
-                                                       acc_dk, acc_dv);
+      BwdMainloop<Tr>::template mma<kScoreMod, kVRegs, kFixed>(
+          p, shared, pipe_q, pipe_do, state_q, buf, Items::slot(taken), Items::phase(taken),
+          w.seq, w.mask, w.steps, w.it.n_block, w.it.head_k, cw, acc_dk, acc_dv);
     }
     // The item again for the stores: kept through the steps, its coordinates spilled.
     const int current = Items::current(shared, taken, item);
