@@ -10,7 +10,8 @@
 //   ./fa3_bwd_harness batch seqlen_q seqlen_k heads heads_k causal
 // Environment: FA3_ITERS=n times n launches (default 20); FA3_NO_REF=1 skips the reference
 // (slow at 16k) and reports the results as unchecked; FA3_SPLIT=k: Tuning::fa3_bwd_split;
-// FA3_MODES=default or deterministic runs that mode alone (A/B runs: half the time).
+// FA3_MODES=default or deterministic runs that mode alone (A/B runs: half the time);
+// FA3_SPREAD=1: uneven dO rows, K and V rows (spread_rows), and dQ checked row by row.
 #include <cuda_bf16.h>
 
 #include <cmath>
@@ -118,6 +119,26 @@ __global__ void fill_uniform(Element* x, size_t n, uint32_t seed) {
   }
 }
 
+// FA3_SPREAD=1: rows of dO from 1e-4 to 1e3 times the others (a hash of the row), key 3 three
+// times the others and V row 7 ten times, per (batch, KV head): the deterministic mode's
+// per-row scales then differ by up to 2^23 (tests/test_fa3_gpu.py's uneven-rows test).
+__global__ void spread_rows(Element* dout, size_t nq, Element* k, Element* v, size_t nk,
+                            Shape4 s) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < (nq > nk ? nq : nk);
+       i += size_t(gridDim.x) * blockDim.x) {
+    if (i < nq) {
+      uint32_t h = uint32_t(i / kD) * 0x9e3779b9u;
+      h ^= h >> 16, h *= 0x7feb352du, h ^= h >> 15;
+      dout[i] = Element(float(dout[i]) * exp10f(-4.f + 7.f * float(h >> 8) / 16777216.f));
+    }
+    if (i < nk) {
+      const size_t key = i / kD / s.hk % s.sk;
+      if (key == 3) k[i] = Element(3.f * float(k[i]));
+      if (key == 7) v[i] = Element(10.f * float(v[i]));
+    }
+  }
+}
+
 template <typename T>
 static std::vector<T> download(const T* ptr, size_t n) {
   std::vector<T> host(n);
@@ -150,6 +171,8 @@ int main(int argc, char** argv) {
     return dev;
   };
   Element *q = fill(nq), *k = fill(nk), *v = fill(nk), *dout = fill(nq);
+  const bool spread = getenv("FA3_SPREAD") != nullptr;
+  if (spread) spread_rows<<<1024, 256>>>(dout, nq, k, v, nk, s);
   Element *o, *dq, *dk, *dv;
   float *lse, *dsum, *ref_dq, *ref_dk, *ref_dv;
   cudaMalloc(&o, nq * 2); cudaMalloc(&dq, nq * 2); cudaMalloc(&dk, nk * 2); cudaMalloc(&dv, nk * 2);
@@ -242,6 +265,25 @@ int main(int argc, char** argv) {
       return fine;
     };
     bool ok = within(got, rel);
+    if (spread && check) {  // dQ row by row: the worst row's error against its largest value
+      double worst = 0;
+      size_t worst_row = 0, bad = 0;
+      for (size_t r = 0; r < nq / kD; ++r) {
+        double err = 0, top = 0;
+        for (int d = 0; d < kD; ++d) {
+          const double want_x = want_dq[r * kD + d];
+          err = fmax(err, fabs(double(float(got[0][r * kD + d])) - want_x));
+          top = fmax(top, fabs(want_x));
+        }
+        const double ratio = top > 0 ? err / top : err;
+        bad += ratio > 1.0 / 64;
+        if (ratio > worst) worst = ratio, worst_row = r;
+      }
+      printf("  %s dq rows: worst error / row max %.2e at row %zu (batch %zu, query %zu, head "
+             "%zu), %zu rows over 1/64\n", deterministic ? "deterministic" : "default", worst,
+             worst_row, worst_row / (size_t(s.sq) * s.h), worst_row / s.h % s.sq,
+             worst_row % s.h, bad);
+    }
     const float ms = ms_per_launch(launch, iters);
     check_cuda("the timed backward");
     // The last timed run is checked too (a race may show in one run of many; the worse error
