@@ -119,6 +119,9 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
                    : bwd_kernel<Tr, Tma, true, kV, kP, false>;
     }
   }
+  if constexpr (!Tr::kWide) {  // the rounding by the dQ writer (an A/B variant; no score mod)
+    if (plan.writer_rounds) kernel = bwd_kernel<Tr, Tma, false, kV, kP, true, true>;
+  }
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));
   if (plan.ctas > 0) {
