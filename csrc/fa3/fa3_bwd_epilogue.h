@@ -47,6 +47,14 @@ struct BwdEpilogue {
     for (int t = threadIdx.x % 32; t < 128; t += 32) {
       Tensor cdQ = mma_dq.get_thread_slice(t).partition_C(
           make_identity_tensor(typename Tr::ShapedQAcc{}));
+      // Without dQ^T a thread's values lie in two rows, r0 and r0 + 8: their scales read once
+      // (else the tile's stores, which might alias them for the compiler, force a read a value).
+      const int r0 = Tr::dq_row(cdQ, 0, 0);
+      const float s0 = Tr::kdQT ? 0.f : scale[r0], s8 = Tr::kdQT ? 0.f : scale[r0 + 8];
+      auto scale_of = [&](int part, int i) {
+        const int r = Tr::dq_row(cdQ, part, i);
+        return Tr::kdQT ? scale[r] : r == r0 ? s0 : s8;
+      };
       CUTE_UNROLL
       for (int part = 0; part < Tr::kdQParts; ++part) {
         float4* const vecs = reinterpret_cast<float4*>(tile) + Tr::dq_slot(part) * kVecs * 128 + t;
@@ -56,9 +64,8 @@ struct BwdEpilogue {
           float x[4] = {v.x, v.y, v.z, v.w};
           CUTE_UNROLL
           for (int k = 0; k < 4; ++k) {
-            const int r = Tr::dq_row(cdQ, part, 4 * j + k);
-            x[k] = __int_as_float(k % 2 ? round_fixed(x[k], scale[r])
-                                        : __float2int_rn(x[k] * scale[r]));
+            const float s = scale_of(part, 4 * j + k);
+            x[k] = __int_as_float(k % 2 ? round_fixed(x[k], s) : __float2int_rn(x[k] * s));
           }
           vecs[j * 128] = make_float4(x[0], x[1], x[2], x[3]);
         }
