@@ -281,10 +281,10 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
     }
     // Value x of tile row r, times softmax_scale; kFixed: x's bits are the fixed-point int32,
     // over the row's scale (a power of two).
-    const float* scale = s.dq_scale + tile * kBlockM;
     auto out = [&](float x, int r) {
       if constexpr (kFixed) {
-        return float(__float_as_int(x)) * p.softmax_scale * (1.f / scale[r]);
+        const float scale = s.dq_scale[tile * kBlockM + r];
+        return float(__float_as_int(x)) * p.softmax_scale * (1.f / scale);
       } else {
         return x * p.softmax_scale;
       }

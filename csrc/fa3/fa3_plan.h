@@ -272,8 +272,7 @@ constexpr int bwd_block_n(int kernel_hdim) { return kernel_hdim > 128 ? 64 : 128
 // Its query rows a step (BwdTraits::kBlockM), to which each (batch, head)'s scratch rows are
 // padded (fa3_bwd_prep.cuh): 96 at head dim 64 for the calls of bwd_plain, half as much GEMM
 // work again a step for the same barriers, waits and fences (dQ^T then, fa3_bwd_traits.h;
-// +3..+7%); 64 elsewhere. Head dim
-// 128 keeps 64: 80 rows there lost 3-9% (docs/fa3_decisions.md).
+// +3..+7%); 64 elsewhere. Head dim 128 keeps 64: 80 rows there lost 3-9% (docs/fa3_decisions.md).
 constexpr int bwd_block_m(int kernel_hdim, bool plain) {
   return plain && kernel_hdim == 64 ? 96 : 64;
 }
