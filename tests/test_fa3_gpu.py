@@ -438,26 +438,6 @@ def test_deterministic_backward(spec, d):
             assert torch.equal(g, g0), f"{name} differs bitwise between deterministic runs"
 
 
-@pytest.mark.parametrize("d", [64, 96, 128])
-@pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_writer_rounding(d, causal):
-    """The private fa3_bwd_det_round=1 (an A/B variant: deterministic mode's dQ rounded to
-    fixed point by the dQ writer warp from the staged fp32, not by the consumers) rounds the
-    same values on the same scales: the rule, and gradients equal to the consumers' rounding
-    bit for bit. Non-causal head dim 64 runs the 96-row tile (dQ^T), causal the 64-row one."""
-    dtype = torch.bfloat16
-    skip_unless_built(dtype, d)
-    inputs = qkv(2, 1000, 1500, 6, 2, d, dtype)
-    dout = randn(2, 1000, 6, d, dtype=dtype)
-    attn = dict(causal=causal)
-    det = dict(attn, deterministic=True)
-    ours = check(inputs, "qkv", dtype, fa(det, tuning=dict(fa3_bwd_det_round=1)), attn,
-                 dout=dout)
-    base = run_ours(inputs, fa(det), dout)
-    for name, g, g0 in zip(("dq", "dk", "dv"), ours.grads, base.grads):
-        assert torch.equal(g, g0), f"{name}: the writer's rounding differs from the consumers'"
-
-
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic_backward_uneven_rows(d):
     """deterministic=True adds dQ in fixed point, each row on a scale from a bound of its sum

@@ -17,8 +17,6 @@ struct Tuning {
   int fa3_ctas = 0;       // > 0: the grid (stream-K: the workers), for the harness
   // fa3 backward (fa3_plan.h, plan_bwd)
   int fa3_bwd_split = -1;  // 0: no split of full attention's last wave, k > 0: k parts an item
-  // 1: deterministic mode's dQ rounded by the dQ writer warp, not the consumers (64-128)
-  int fa3_bwd_det_round = -1;
   // fa2 backward (fa2/fa2.h, plan_bwd)
   int fa2_dq_bulk = -1;   // 0: per-fragment dQ reductions on sm90 too (sm80's path)
   int fa2_dq_defer = -1;  // 0: a dQ tile's reductions after its GEMM (the deterministic path)

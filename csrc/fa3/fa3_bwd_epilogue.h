@@ -32,58 +32,14 @@ template <class Tr>
 struct BwdEpilogue {
   static constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
 
-  // Deterministic mode with BwdPlan::writer_rounds: the dQ writer warp rounds a staged tile
-  // (fp32, in the accumulator's order: Tr::dq_slot) to fixed point in place, as the consumers'
-  // to_fixed would, so that the rounding leaves the consumers' path between the dQ GEMM and
-  // the staging; scale: the tile's row scales (the consumers' copy). Lane l takes consumer
-  // threads l, l + 32, l + 64, l + 96, whose values lie in rows their MMA layout gives. Half
-  // the values by the conversion unit, half by round_fixed (the same integers): one warp has
-  // one SMSP's conversions, 4 a clock: ~2000 clocks for head dim 128's 64 x 128 tile alone.
-  static __device__ __forceinline__ void round_staged(float* tile, const float* scale) {
-    static_assert(!Tr::kWide);
-    constexpr int kVecs = Tr::kdQPartVecs;
-    typename Tr::MmadQ mma_dq;
-    #pragma unroll 1
-    for (int t = threadIdx.x % 32; t < 128; t += 32) {
-      Tensor cdQ = mma_dq.get_thread_slice(t).partition_C(
-          make_identity_tensor(typename Tr::ShapedQAcc{}));
-      // Without dQ^T a thread's values lie in two rows, r0 and r0 + 8: their scales read once
-      // (else the tile's stores, which might alias them for the compiler, force a read a value).
-      const int r0 = Tr::dq_row(cdQ, 0, 0);
-      const float s0 = Tr::kdQT ? 0.f : scale[r0], s8 = Tr::kdQT ? 0.f : scale[r0 + 8];
-      auto scale_of = [&](int part, int i) {
-        const int r = Tr::dq_row(cdQ, part, i);
-        return Tr::kdQT ? scale[r] : r == r0 ? s0 : s8;
-      };
-      CUTE_UNROLL
-      for (int part = 0; part < Tr::kdQParts; ++part) {
-        float4* const vecs = reinterpret_cast<float4*>(tile) + Tr::dq_slot(part) * kVecs * 128 + t;
-        CUTE_UNROLL
-        for (int j = 0; j < kVecs; ++j) {
-          const float4 v = vecs[j * 128];
-          float x[4] = {v.x, v.y, v.z, v.w};
-          CUTE_UNROLL
-          for (int k = 0; k < 4; ++k) {
-            const float s = scale_of(part, 4 * j + k);
-            x[k] = __int_as_float(k % 2 ? round_fixed(x[k], s) : __float2int_rn(x[k] * s));
-          }
-          vecs[j * 128] = make_float4(x[0], x[1], x[2], x[3]);
-        }
-      }
-    }
-    cutlass::arch::fence_view_async_shared();  // the stores before the leader's bulk read
-    __syncwarp();
-  }
-
   // The dQ writer (the producer warpgroup's second warp): the steps' tiles of the CTA's items
   // (BwdItems). Narrow tile: from buffers 0, 1, 0, ...; buffer b is free for the consumers'
   // step i once the add of step i - 2 has read it. Wide tile: its one buffer in two halves,
   // the upper one (the first dQ GEMMs' parts) added as soon as it is staged, under the
   // consumers' last GEMMs, the lower one over P^T / dS^T once they are read: the next step's
   // P^T / dS^T wait for half a tile's read, not a whole one's. All free at the start; the
-  // arrives past the last step are the consumers' to match (bwd_kernel). kWriterRounds: the
-  // narrow tile's staged fp32 rounded here first (round_staged).
-  template <bool kPersistent, bool kFixed, bool kWriterRounds>
+  // arrives past the last step are the consumers' to match (bwd_kernel).
+  template <bool kPersistent, bool kFixed>
   static __device__ __forceinline__ void write_dq(const BwdParams& p, const BwdScratch& s,
                                                   typename Tr::SharedStorage& shared) {
     using cutlass::arch::NamedBarrier;
@@ -127,7 +83,6 @@ struct BwdEpilogue {
             NamedBarrier::arrive(kdQBarrierThreads, kEmpty);
           } else {
             NamedBarrier::sync(kdQBarrierThreads, kFull + b);
-            if constexpr (kWriterRounds) round_staged(shared.dq(b), shared.dq_row_scale[b]);
             if (leader) {
               add_dq<kFixed>(dst, shared.dq(b), Tr::kdQBytes);
               bulk_wait_read();

@@ -57,17 +57,14 @@ __device__ __forceinline__ typename Pipeline::Params bwd_pipe_params(int wg, int
 
 // kScoreMod: softcap or ALiBi may be on (BwdMainloop::softmax_grad); kVRegs: the narrow
 // tile's dP^T reads V from registers (BwdTraits::kVRegs); kPersistent: a CTA an SM taking
-// items in turn (fa3_plan.h: bwd_persistent), else a CTA an item; kFixed: deterministic mode,
-// kWriterRounds: its rounding by the dQ writer (BwdPlan::writer_rounds).
-template <class Tr, class Tma, bool kScoreMod, bool kVRegs, bool kPersistent, bool kFixed,
-          bool kWriterRounds = false>
+// items in turn (fa3_plan.h: bwd_persistent), else a CTA an item; kFixed: deterministic mode.
+template <class Tr, class Tma, bool kScoreMod, bool kVRegs, bool kPersistent, bool kFixed>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ Tma tma,
                const BwdScratch s) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using PipelineQ = typename Tr::PipelineQ;
   using PipelinedO = typename Tr::PipelinedO;
-  static_assert(!kWriterRounds || (kFixed && !Tr::kWide && !kScoreMod));
   constexpr int kBlockN = Tr::kBlockN, kKVCols = Tr::kKVCols;
   extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename Tr::SharedStorage*>(smem_raw);
@@ -89,7 +86,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (wg == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (threadIdx.x / 32 == 1) {
-      BwdEpilogue<Tr>::template write_dq<kPersistent, kFixed, kWriterRounds>(p, s, shared);
+      BwdEpilogue<Tr>::template write_dq<kPersistent, kFixed>(p, s, shared);
       return;
     }
     if (threadIdx.x != 0) return;
@@ -149,7 +146,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                                            w.mask, w.steps, w.it.n_block,
                                                            w.it.head_k, cw, acc_dk, acc_dv);
     } else {  // keys [64 cw, 64 cw + 64) of the tile, all the head dim
-      BwdMainloop<Tr>::template mma<kScoreMod, kVRegs, kFixed, kWriterRounds>(
+      BwdMainloop<Tr>::template mma<kScoreMod, kVRegs, kFixed>(
           p, shared, pipe_q, pipe_do, state_q, buf, Items::slot(taken), Items::phase(taken),
           w.seq, w.mask, w.steps, w.it.n_block, w.it.head_k, cw, acc_dk, acc_dv);
     }

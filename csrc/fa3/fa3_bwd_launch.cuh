@@ -108,9 +108,8 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   // kernels add dQ in fixed point.
   constexpr bool kV = Tr::kVRegs, kP = bwd_persistent(kHeadDim);
   const bool mod = p.softcap > 0.f || p.alibi_slopes != nullptr, det = p.deterministic;
-  if (plan.persistent != kP || (kPlainOnly && !bwd_plain(p)) ||
-      (plan.writer_rounds && (!det || mod || Tr::kWide))) {
-    throw std::runtime_error("flash_attn: fa3 backward: the plan is not this call's");
+  if (plan.persistent != kP || (kPlainOnly && !bwd_plain(p))) {
+    throw std::runtime_error("flash_attn: fa3 backward: the plan is not this head dim's");
   }
   auto kernel = det ? bwd_kernel<Tr, Tma, false, kV, kP, true>
                     : bwd_kernel<Tr, Tma, false, kV, kP, false>;
@@ -119,9 +118,6 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
       kernel = det ? bwd_kernel<Tr, Tma, true, kV, kP, true>
                    : bwd_kernel<Tr, Tma, true, kV, kP, false>;
     }
-  }
-  if constexpr (!Tr::kWide) {  // the rounding by the dQ writer (an A/B variant; no score mod)
-    if (plan.writer_rounds) kernel = bwd_kernel<Tr, Tma, false, kV, kP, true, true>;
   }
   FLASH_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         Tr::kSmemBytes));

@@ -195,7 +195,9 @@ struct BwdMainloop {
     typename Tr::MmadQ mma_dq;
     Tensor cdQ = mma_dq.get_thread_slice(threadIdx.x % 128)
                      .partition_C(make_identity_tensor(typename Tr::ShapedQAcc{}));
-    auto row = [&](int i) { return Tr::dq_row(cdQ, part, i); };
+    auto row = [&](int i) {  // of value i in the tile (dQ^T: its column)
+      return Tr::kdQT ? Tr::dq_part_row0(part) + get<1>(cdQ(i)) : get<0>(cdQ(i));
+    };
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); ++i) {
       acc_dq(i) = __int_as_float(__float2int_rn(acc_dq(i) * scale(row(i) - row(0), row(i))));
@@ -221,12 +223,10 @@ struct BwdMainloop {
   // dV into acc_dk / acc_dv and handing each step's dQ tile to the dQ writer in staging
   // buffer buf, 1 - buf, ... The pipelines' state and buf go on from the CTA's previous item;
   // slot, kv_phase: the item's K / V slot and its kv_full phase (BwdItems). kVRegs: dP^T's V
-  // from registers (Tr::kVRegs); kFixed: deterministic mode's fixed-point dQ (to_fixed), or
-  // with kWriterRounds the writer's (BwdEpilogue::round_staged), given the rows' scales.
+  // from registers (Tr::kVRegs); kFixed: deterministic mode's fixed-point dQ (to_fixed).
   // The wait for K and V comes after the steps' setup: waited for before it (when the item
   // is taken), the setup's descriptors left uniform registers and spilled in the steps.
-  template <bool kScoreMod, bool kVRegs, bool kFixed, bool kWriterRounds, class State,
-            class Acc>
+  template <bool kScoreMod, bool kVRegs, bool kFixed, class State, class Acc>
   static __device__ __forceinline__ void mma(const BwdParams& p, typename Tr::SharedStorage& shared,
                                              PipelineQ& pipe_q, PipelinedO& pipe_do,
                                              State& state, int& buf, int slot, int kv_phase,
@@ -331,19 +331,12 @@ struct BwdMainloop {
         warpgroup_fence_operand(acc_dq);
         pipe_do.consumer_release(state);
         // This step's dQ into buffer buf once the writer has read what it held.
-        if constexpr (kFixed && !kWriterRounds) {
+        if constexpr (kFixed) {
           const float* scale = shared.dq_scale[stage];  // Q's stage: not yet released
           to_fixed(acc_dq, cw, [&](int, int r) { return scale[r]; });
         }
         cutlass::arch::NamedBarrier::sync(kdQBarrierThreads, uint32_t(BwdBarrier::dQEmpty) + buf);
         stage_dq(shared.dq(buf), acc_dq, cw);
-        if constexpr (kWriterRounds) {  // the rows of this consumer's part (all: consumer 0's)
-          constexpr int kRows = Tr::kdQT ? kBlockM / 2 : kBlockM;
-          if ((Tr::kdQT || cw == 0) && wg_tid < kRows) {
-            const int r = Tr::dq_part_row0(cw) + wg_tid;
-            shared.dq_row_scale[buf][r] = shared.dq_scale[stage][r];
-          }
-        }
         cutlass::arch::fence_view_async_shared();  // before the writer's bulk read
         cutlass::arch::NamedBarrier::arrive(kdQBarrierThreads, uint32_t(BwdBarrier::dQFull) + buf);
         buf ^= 1;

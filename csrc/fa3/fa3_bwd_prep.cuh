@@ -80,20 +80,6 @@ __device__ __forceinline__ float dq_fixed_scale(float do2, const float* kv) {
   return ldexpf(1.f, min(max(e, -126), 127));
 }
 
-// __float2int_rn(x s) for |x s| < 2^30 (a fixed-point value: the scales keep it there) without
-// the conversion unit, whose 16 a clock per SM (4 per SMSP) bound a single warp's rounding:
-// adding 1.5 2^31 rounds x s to a multiple of 2^8 whose quotient is the sum's low mantissa
-// bits, the exact remainder (FMA) is rounded the same way by adding 1.5 2^23; both round to
-// nearest even, so the result is the conversion's (checked on 6M values, ties included). A
-// NaN gives a meaningless integer where the conversion gives 0.
-__device__ __forceinline__ int round_fixed(float x, float s) {
-  constexpr float kHi = 0x1.8p31f, kLo = 0x1.8p23f;
-  const float hi = fmaf(x, s, kHi);
-  const float lo = fmaf(x, s, kHi - hi) + kLo;  // kHi - hi: exact (both multiples of 2^8)
-  return (__float_as_int(hi) - __float_as_int(kHi)) * 256 +
-         (__float_as_int(lo) - __float_as_int(kLo));
-}
-
 template <typename T>
 __device__ __forceinline__ float2 bwd_to_float2(uint32_t packed) {
   if constexpr (std::is_same_v<T, __half>) {

@@ -140,12 +140,6 @@ struct BwdTraits {
   __host__ __device__ static constexpr int dq_part_col0(int part) {
     return kdQT ? 0 : part * kdQCols;
   }
-  // The tile row of a thread's value i of part `part`; cdQ: the thread's (row, column) of the
-  // dQ MMA's values, (column, row) with kdQT.
-  template <class Coords>
-  __device__ static int dq_row(const Coords& cdQ, int part, int i) {
-    return kdQT ? dq_part_row0(part) + cute::get<1>(cdQ(i)) : cute::get<0>(cdQ(i));
-  }
   __host__ __device__ static constexpr int dq_slot(int part) {
     return !kWide ? part : part % 2 == 0 ? kdQParts / 2 + part / 2 : part / 2;
   }
@@ -165,8 +159,6 @@ struct BwdTraits {
     alignas(16) float lse[kStagesQ][kBlockM];    // the rows' lse in base 2, with Q's stage
     alignas(16) float dsum[kStagesdO][kBlockM];  // D = rowsum(dO o O), with dO's stage
     alignas(16) float dq_scale[kStagesQ][kBlockM];  // deterministic mode's, with Q's stage
-    // The staged dQ tiles' row scales, for the dQ writer's rounding (BwdPlan::writer_rounds).
-    alignas(16) float dq_row_scale[kdQBuffers][kBlockM];
     typename PipelineQ::SharedStorage pipe_q;
     typename PipelinedO::SharedStorage pipe_do;
     // The CTA's items in flight (fa3_bwd_items.h), a slot each, published with their K and V

@@ -260,10 +260,6 @@ struct BwdPlan {
   // split_parts items each, a share of the query tiles apiece (bwd_split_parts).
   int split_items = 0;
   int split_parts = 1;
-  // Deterministic mode: the dQ writer warp rounds the staged tiles to fixed point, not the
-  // consumers (Tuning::fa3_bwd_det_round: an A/B variant, for the narrow tiles (head dims up
-  // to 128) and calls without a score mod).
-  bool writer_rounds = false;
 };
 
 // The backward's keys a CTA (BwdTraits::kBlockN): 64 where dK / dV of 128 keys would not fit
@@ -361,9 +357,6 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
   }
   const int64_t items = key_tiles * p.heads_k * p.batch;
   plan.items = int(std::min<int64_t>(items, INT_MAX));  // plan_error: past INT_MAX
-  plan.writer_rounds = p.deterministic && bwd_block_n(kernel_hdim) == 128 &&
-                      p.softcap <= 0.f && p.alibi_slopes == nullptr &&
-                      tuning.fa3_bwd_det_round == 1;
   // Persistent: the next item's K / V and first Q load under this one's last steps and
   // dK / dV stores.
   plan.persistent = bwd_persistent(kernel_hdim);

@@ -10,7 +10,6 @@
 //   ./fa3_bwd_harness batch seqlen_q seqlen_k heads heads_k causal
 // Environment: FA3_ITERS=n times n launches (default 20); FA3_NO_REF=1 skips the reference
 // (slow at 16k) and reports the results as unchecked; FA3_SPLIT=k: Tuning::fa3_bwd_split;
-// FA3_DET_ROUND=1: Tuning::fa3_bwd_det_round (deterministic mode's rounding by the writer);
 // FA3_MODES=default or deterministic runs that mode alone (A/B runs: half the time);
 // FA3_SPREAD=1: uneven dO rows, K and V rows (spread_rows), and dQ checked row by row.
 #include <cuda_bf16.h>
@@ -229,7 +228,6 @@ int main(int argc, char** argv) {
     p.deterministic = deterministic;
     flash::Tuning tuning;
     if (getenv("FA3_SPLIT")) tuning.fa3_bwd_split = atoi(getenv("FA3_SPLIT"));
-    if (getenv("FA3_DET_ROUND")) tuning.fa3_bwd_det_round = atoi(getenv("FA3_DET_ROUND"));
     const flash::fa3::BwdPlan plan = flash::fa3::plan_bwd(p, kD, tuning);
     if (plan.split_parts > 1) {
       printf("plan: %d items, %d of them split in %d parts\n", plan.items, plan.split_items,

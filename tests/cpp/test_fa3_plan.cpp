@@ -198,18 +198,6 @@ int main() {
     CHECK(!plan_bwd(bwd(call(16, 1024, 1024, 16, 16), true), 192).persistent);
     const BwdPlan masked = plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 3)), true), 64);
     CHECK(masked.workspace_bytes == rows * (64 + 3) * 4 + 16 + 48);
-    // The writer's rounding (an A/B variant): asked for, deterministic, a narrow tile, no
-    // score mod.
-    Tuning writer;
-    writer.fa3_bwd_det_round = 1;
-    CHECK(!det.writer_rounds && !plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 64, writer)
-                                     .writer_rounds);
-    CHECK(plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 64, writer).writer_rounds);
-    CHECK(plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), true), 128, writer).writer_rounds);
-    CHECK(!plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 256, writer).writer_rounds);
-    BwdParams capped = bwd(call(2, 1000, 1500, 6, 2), true);
-    capped.softcap = 30.f;
-    CHECK(!plan_bwd(capped, 96, writer).writer_rounds);
     // Causal calls take their last pairs' items key tile by key tile, at least two items an SM
     // (264 on 132 SMs): at 128, 4k (32 key tiles) the last 9 of 64 pairs; 1k (8 tiles) 33;
     // 16k (128 tiles) 3; a call of 2 pairs all of them; at 192 / 256 (64-key tiles) 4k the
