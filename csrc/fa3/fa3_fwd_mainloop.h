@@ -155,10 +155,11 @@ struct FwdMainloop {
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
       auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{},
                                       group_modes<0, 2>(sQ(_, _, qb)), group_modes<0, 2>(gQ));
-      auto [tKg, tKs] = tma_partition(tma.k, rank, Layout<Int<Tr::kClusterM>>{},
-                                      group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(tma.v, rank, Layout<Int<Tr::kClusterM>>{},
-                                      group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      // (global, shared) pairs, not structured bindings: the loaders' lambdas capture them.
+      auto tK = tma_partition(tma.k, rank, Layout<Int<Tr::kClusterM>>{}, group_modes<0, 2>(sK),
+                              group_modes<0, 2>(gK));
+      auto tV = tma_partition(tma.v, rank, Layout<Int<Tr::kClusterM>>{}, group_modes<0, 2>(sV),
+                              group_modes<0, 2>(gV));
       if (published >= kQBufs) {
         cutlass::arch::ClusterBarrier::wait(&shared.q_empty[qb], (published / kQBufs - 1) & 1);
       }
@@ -230,10 +231,10 @@ struct FwdMainloop {
              });
       } else {
         walk([&](int n, int stage, uint64_t* bar) {
-               copy(kv_tma(tma.k, *bar), tKg(_, n), tKs(_, stage));
+               copy(kv_tma(tma.k, *bar), get<0>(tK)(_, n), get<1>(tK)(_, stage));
              },
              [&](int n, int stage, uint64_t* bar) {
-               copy(kv_tma(tma.v, *bar), tVg(_, n), tVs(_, stage));
+               copy(kv_tma(tma.v, *bar), get<0>(tV)(_, n), get<1>(tV)(_, stage));
              });
       }
       // The loop's next() claims the next item only now, about kStages key tiles before the
