@@ -472,6 +472,33 @@ def test_deterministic_backward_uneven_rows(d):
     assert worst <= 1.0, f"dq: a row's error is {worst:.2f} x (2 x the default mode's + ulp)"
 
 
+
+@pytest.mark.parametrize("case", ["few-pairs", "more-items-than-sms"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_backward_zeroed_in_kernel(d, causal, case):
+    """The dQ accumulator zeroed by the main kernel's idle producer warps, each pair's writer
+    waiting for its chunks (fa3_plan.h: bwd_zero_chunks), against the memset (the private
+    fa3_bwd_zero=0): deterministic mode, whose integer adds give the same bits in any order,
+    so the two must agree bit for bit, over memory poisoned before each pass; the in-kernel
+    run against the reference too. A few (KV head, batch) pairs of many chunks (GQA 3, 1500
+    keys), or more items than SMs over many pairs (1999 keys, 300 rows)."""
+    dtype = torch.bfloat16
+    skip_unless_built(dtype, d)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if case == "few-pairs":
+        b, sq, sk, h, hk = 2, 1000, 1500, 6, 2
+    else:
+        b, sq, sk, h, hk = 2 * sms // (16 * 3) + 1, 300, 1999, 6, 3
+    inputs = qkv(b, sq, sk, h, hk, d, dtype)
+    dout = randn(b, sq, h, d, dtype=dtype)
+    attn = attn_args(dict(causal=True) if causal else {}, b, h)
+    det = dict(attn, deterministic=True)
+    in_kernel = check(inputs, "qkv", dtype, fa(det), attn, dout=dout)
+    memset = run_ours(inputs, fa(det, tuning=dict(fa3_bwd_zero=0)), dout)
+    for name, g, g0 in zip(("dq", "dk", "dv"), in_kernel.grads, memset.grads):
+        assert torch.equal(g, g0), f"{name}: zeroed in the kernel and by a memset differ"
+
 # ---- 5. layouts and grids ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("d", [64, 128])

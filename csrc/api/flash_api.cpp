@@ -350,6 +350,7 @@ flash::Tuning parse_tuning(const std::string& text) {
       {"fa2_pdl", &flash::Tuning::fa2_pdl},           {"head_group", &flash::Tuning::head_group},
       {"fa1_q_tiles", &flash::Tuning::fa1_q_tiles},   {"fa2_decode", &flash::Tuning::fa2_decode},
       {"fa3_bwd_split", &flash::Tuning::fa3_bwd_split},
+      {"fa3_bwd_zero", &flash::Tuning::fa3_bwd_zero},
   };
   size_t at = 0;
   while (at < text.size()) {

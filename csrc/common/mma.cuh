@@ -178,6 +178,29 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Orders the global-memory writes this thread has seen (its own, or acquired from others)
+// before its later async-proxy accesses of global memory (bulk reduce-adds into it).
+__device__ __forceinline__ void fence_proxy_async_global() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+}
+// A count read with acquire semantics at GPU scope (a flag another CTA releases).
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* ptr) {
+  unsigned v = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+#endif
+  return v;
+}
+// *ptr += v with release semantics at GPU scope: this thread's writes (and those it has seen)
+// before it for whoever acquires the count.
+__device__ __forceinline__ void red_release_gpu_add(unsigned* ptr, unsigned v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ptr), "r"(v) : "memory");
+#endif
+}
+
 // dst[0 .. 4) += (a, b, c, d) in fp32 (dst 16-byte aligned; FA2's dQ fragments, FA3's split
 // dK / dV). On sm90 one vector reduction, not atomicAdd(float4*): that one is an ATOMG whose
 // (unused) result and branch around it cost more than the add; before it four atomics.

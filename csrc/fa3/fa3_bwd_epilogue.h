@@ -57,6 +57,14 @@ struct BwdEpilogue {
       if (item < 0) break;
       const BwdWork<Tr, kPersistent> w(p, s, item);
       if (w.steps.count() == 0) continue;
+      if (s.zero_chunks > 0) {  // the pair's accumulator zeroed (zero_dq), before the adds
+        if (leader) {
+          const unsigned* const done = s.zero_done + w.it.batch * p.heads_k + w.it.head_k;
+          while (ld_acquire_gpu(done) < unsigned(s.zero_chunks)) __nanosleep(64);
+          fence_proxy_async_global();  // the zeroes (generic proxy) before the bulk adds
+        }
+        __syncwarp();
+      }
       // The scratch row of the group's first head, then of each next one.
       int64_t head_row =
           (int64_t(w.it.batch) * p.heads + w.it.head_k * w.steps.heads_per_kv) * rows_q;
@@ -95,6 +103,37 @@ struct BwdEpilogue {
       }
     }
     if (leader) bulk_wait_complete();  // done before the CTA's shared memory goes
+  }
+
+  // The producer warpgroup's warps 2-3, otherwise idle, with BwdPlan::zero_chunks: the dQ
+  // accumulator zeroed chunk by chunk, each warp taking chunks from s.zero_next in order (the
+  // first pairs' first: the pairs of the first items) and counting each done in its pair's
+  // s.zero_done (the stores, a fence, a release add; write_dq acquires the count). Every CTA's
+  // warps take chunks until none is left, so the zeroing finishes whichever CTAs are resident:
+  // a writer never waits on a CTA that has not started.
+  static __device__ __forceinline__ void zero_dq(const BwdParams& p, const BwdScratch& s) {
+    const int lane = threadIdx.x % 32;
+    const unsigned chunks = unsigned(s.zero_chunks);
+    const unsigned total = unsigned(p.batch * p.heads_k) * chunks;  // < 2^31 (the plan's)
+    const int64_t pair_vecs = int64_t(p.heads / p.heads_k) * s.rows_pad * (kHeadDim / 4);
+    float4* const dq = reinterpret_cast<float4*>(s.dq);
+    #pragma unroll 1
+    for (;;) {
+      unsigned c = 0;
+      if (lane == 0) c = atomicAdd(s.zero_next, 1u);
+      c = __shfl_sync(0xffffffffu, c, 0);
+      if (c >= total) break;
+      const unsigned pair = c / chunks, part = c % chunks;
+      float4* const chunk = dq + int64_t(pair) * pair_vecs;
+      const int64_t end = (part + 1) * pair_vecs / chunks;
+      #pragma unroll 4
+      for (int64_t i = part * pair_vecs / chunks + lane; i < end; i += 32) {
+        chunk[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      __threadfence();
+      __syncwarp();
+      if (lane == 0) red_release_gpu_add(s.zero_done + pair, 1u);
+    }
   }
 
   // A split item's part (BwdPlan::split_items; item: the part's), consumer cw: its dK / dV added

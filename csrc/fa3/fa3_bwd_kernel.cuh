@@ -3,7 +3,8 @@
 //   warpgroup 0, the producer: one thread claims each item and loads its K and V once, then
 //     each step's Q and dO tiles (TMA) with their rows' lse and D (bulk copies) into
 //     pipelines that run on from item to item; its second warp, the dQ writer, adds each
-//     step's staged dQ tile to the accumulator;
+//     step's staged dQ tile to the accumulator, which its last two warps zero meanwhile
+//     (BwdPlan::zero_chunks);
 //   warpgroups 1-2, the consumers, per step (kBlockM query rows of one head); at head dims up
 //   to 128, 64 keys each:
 //     S^T = K Q^T, dP^T = V dO^T           SS WGMMA
@@ -87,6 +88,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (threadIdx.x / 32 == 1) {
       BwdEpilogue<Tr>::template write_dq<kPersistent, kFixed>(p, s, shared);
+      return;
+    }
+    if (threadIdx.x / 32 >= 2) {
+      if (s.zero_chunks > 0) BwdEpilogue<Tr>::zero_dq(p, s);
       return;
     }
     if (threadIdx.x != 0) return;

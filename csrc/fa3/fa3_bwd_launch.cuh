@@ -42,9 +42,14 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
   s.split_acc = after_dq + (kBwdCounterBytes + bwd_split_counter_bytes(plan.split_items)) / 4;
   float* const after_split =
       after_dq + (kBwdCounterBytes + bwd_split_bytes(plan.split_items, kernel_hdim)) / 4;
-  s.kv_bound = p.deterministic ? after_split : nullptr;
-  s.lse2 = after_split +
-           (p.deterministic ? bwd_kv_bound_bytes(int64_t(p.batch) * p.heads_k) / 4 : 0);
+  const int64_t pairs = int64_t(p.batch) * p.heads_k;
+  s.zero_chunks = plan.zero_chunks;
+  s.zero_next = s.next_item + 1;
+  s.zero_done = reinterpret_cast<unsigned*>(after_split);
+  float* const after_zero =
+      after_split + (plan.zero_chunks > 0 ? bwd_zero_counter_bytes(pairs) / 4 : 0);
+  s.kv_bound = p.deterministic ? after_zero : nullptr;
+  s.lse2 = after_zero + (p.deterministic ? bwd_kv_bound_bytes(pairs) / 4 : 0);
   s.dsum = s.lse2 + rows;
   s.dq_scale = p.deterministic ? s.dsum + rows : nullptr;
   return s;
@@ -60,11 +65,14 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
   constexpr bool kPlainOnly = Tr::kBlockM != bwd_block_m(kHeadDim, false);
   const BwdScratch s = bwd_scratch(p, plan, kHeadDim);
   const int64_t rows = int64_t(p.batch) * p.heads * s.rows_pad;
-  // The accumulator, the item counter, the split items' region and deterministic mode's K / V
-  // bounds (all before lse2, bwd_scratch): a memset writes at the memory's rate, which the
-  // preprocess's stores, interleaved with its loads, did not reach.
-  FLASH_CHECK_CUDA(cudaMemsetAsync(
-      s.dq, 0, size_t(reinterpret_cast<char*>(s.lse2) - reinterpret_cast<char*>(s.dq)), stream));
+  // The accumulator (unless the main kernel zeroes it: BwdPlan::zero_chunks), the counters,
+  // the split items' region and deterministic mode's K / V bounds (all before lse2,
+  // bwd_scratch): a memset writes at the memory's rate, which the preprocess's stores,
+  // interleaved with its loads, did not reach.
+  char* const begin = s.zero_chunks > 0 ? reinterpret_cast<char*>(s.next_item)
+                                         : reinterpret_cast<char*>(s.dq);
+  FLASH_CHECK_CUDA(
+      cudaMemsetAsync(begin, 0, size_t(reinterpret_cast<char*>(s.lse2) - begin), stream));
   if (p.deterministic) {  // the K / V bounds of the dQ scales, before the preprocess
     const int chunks = (p.seqlen_k + kBwdBoundRows - 1) / kBwdBoundRows;
     const int64_t blocks = int64_t(chunks) * p.heads_k * p.batch;

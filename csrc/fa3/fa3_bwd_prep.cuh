@@ -1,10 +1,14 @@
 // The FA3 backward's kernels around the main one. Scratch rows (per batch and head, padded to
 // the main kernel's rows a step, bwd_block_m) hold, for its unguarded tile loads:
-//   dq     the dQ accumulator, unscaled, zeroed by a memset, added to by every key tile: fp32,
+//   dq     the dQ accumulator, unscaled, zeroed by the main kernel or a memset (BwdPlan::
+//          zero_chunks), added to by every key tile: fp32,
 //          or in deterministic mode fixed point (below)
-//   next_item  the persistent kernel's item counter (fa3_bwd_items.h), zeroed with dq
+//   next_item  the persistent kernel's item counter (fa3_bwd_items.h), zeroed with dq;
+//          zero_next beside it
 //   split  the split items' part counters and fp32 dK / dV sums (BwdPlan::split_items), zeroed
 //          with dq
+//   zero_done  with BwdPlan::zero_chunks: per (batch, KV head) the chunks of dq zeroed by the
+//          main kernel (fa3_bwd_epilogue.h: zero_dq), whose memset then starts here
 //   kv_bound  deterministic mode: per (batch, KV head) the largest |K| element and |V| row
 //          norm (squared), zeroed with dq
 //   lse2   the forward's lse in base 2; +inf past the sequence (P = 0 there)
@@ -61,6 +65,11 @@ struct BwdScratch {
   int split_parts;
   unsigned* split_count;
   float* split_acc;
+  // The accumulator zeroed by the main kernel (BwdPlan::zero_chunks; 0: by a memset): chunks
+  // taken from zero_next, counted per (batch, KV head) pair in zero_done.
+  int zero_chunks;
+  unsigned* zero_next;
+  unsigned* zero_done;
 };
 
 // The fixed-point scale of a row whose dO has squared norm do2, for K / V bounds kv: 2^e with

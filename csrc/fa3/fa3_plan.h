@@ -260,6 +260,9 @@ struct BwdPlan {
   // split_parts items each, a share of the query tiles apiece (bwd_split_parts).
   int split_items = 0;
   int split_parts = 1;
+  // The dQ accumulator's chunks per (KV head, batch) pair that the main kernel zeroes
+  // (bwd_zero_chunks); 0: a memset zeroes it before the kernels.
+  int zero_chunks = 0;
 };
 
 // The backward's keys a CTA (BwdTraits::kBlockN): 64 where dK / dV of 128 keys would not fit
@@ -298,6 +301,23 @@ inline int64_t bwd_split_counter_bytes(int64_t split) { return (split * 4 + 15) 
 inline int64_t bwd_split_bytes(int64_t split, int kernel_hdim) {
   return bwd_split_counter_bytes(split) + split * 2 * bwd_block_n(kernel_hdim) * kernel_hdim * 4;
 }
+
+// The dQ accumulator zeroed by the main kernel, not a memset before it (fa3_bwd_epilogue.h:
+// zero_dq): the producer warpgroup's idle warps take chunks of it from a counter, the first
+// pairs' first, and count each chunk done per (KV head, batch) pair; the dQ writer waits for
+// its pair's count before its first add. The memset's 128 MB at 16k tokens x hidden 2048
+// (~45 us, 3% of head dim 128's backward at 2k) then overlap the kernel's first wave, which
+// reads little from memory. Chunks of kBwdZeroChunkBytes: a warp's share of the first wave's
+// pairs lands in a few us, before their first adds. The counters (a 4-byte count a pair, 16-byte
+// aligned as a block) sit after the split region, zeroed with the item counter. Only when the
+// main kernel runs (a grid of 0 CTAs would leave the accumulator as it was).
+constexpr int64_t kBwdZeroChunkBytes = 32 << 10;
+inline int bwd_zero_chunks(int64_t pair_bytes, int64_t pairs) {
+  const int64_t chunks =
+      std::max<int64_t>((pair_bytes + kBwdZeroChunkBytes - 1) / kBwdZeroChunkBytes, 1);
+  return chunks * pairs >= INT_MAX ? 0 : int(chunks);
+}
+inline int64_t bwd_zero_counter_bytes(int64_t pairs) { return (pairs * 4 + 15) / 16 * 16; }
 
 // Deterministic mode's bounds of |K| and of |V|'s rows (fa3_bwd_prep.cuh), a pair of floats
 // per (batch, KV head), after the split region: zeroed with the dQ accumulator.
@@ -345,7 +365,8 @@ inline int bwd_split_parts(int64_t items, int sms, int heads_per_kv, int64_t q_t
 inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tuning = {}) {
   using plan_detail::ceil_div;
   const int block_m = bwd_block_m(kernel_hdim, bwd_plain(p));
-  const int64_t rows = int64_t(p.batch) * p.heads * ceil_div(p.seqlen_q, block_m) * block_m;
+  const int64_t rows_pad = ceil_div(p.seqlen_q, block_m) * block_m;  // per (batch, head)
+  const int64_t rows = int64_t(p.batch) * p.heads * rows_pad;
   const int64_t key_tiles = ceil_div(p.seqlen_k, bwd_block_n(kernel_hdim));
   BwdPlan plan;
   plan.block_m = block_m;
@@ -386,8 +407,13 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
   // then share a few pairs' Q and dO in L2), the last pairs' long items would start when the
   // other CTAs are nearly done; so the last pairs, kBwdTailItems items an SM, go key tile by
   // key tile over all of them, and the last items taken are short ones (fa3_bwd_items.h).
+  const int64_t pairs = int64_t(p.heads_k) * p.batch;
+  if (plan.ctas > 0 && tuning.fa3_bwd_zero != 0) {
+    const int64_t pair_bytes = int64_t(p.heads / p.heads_k) * rows_pad * kernel_hdim * 4;
+    plan.zero_chunks = bwd_zero_chunks(pair_bytes, pairs);
+    if (plan.zero_chunks > 0) plan.workspace_bytes += bwd_zero_counter_bytes(pairs);
+  }
   if (p.causal && p.window_left < 0) {
-    const int64_t pairs = int64_t(p.heads_k) * p.batch;
     plan.tail_pairs = int(std::clamp<int64_t>(
         ceil_div(int64_t(kBwdTailItems) * std::max(p.num_sms, 1), key_tiles), 1, pairs));
   }

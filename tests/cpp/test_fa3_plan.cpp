@@ -143,9 +143,11 @@ int main() {
   CHECK(!fwd_tiles(80).wide.exists());
 
   // The backward: dQ accumulator (fp32, rows padded to 64 per head), the item counter (16
-  // bytes), lse, D; deterministic calls (a fixed-point accumulator of the same size) add the K /
-  // V bounds (8 bytes a (batch, KV head), 16-byte aligned) and a dQ scale a row. A CTA an SM
-  // takes the (key tile, KV head, batch) items, in both modes; at head dim 192 a CTA an item.
+  // bytes), the zero counters of the accumulator's chunks (4 bytes a (batch, KV head), 16-byte
+  // aligned; bwd_zero_chunks), lse, D; deterministic calls (a fixed-point accumulator of the
+  // same size) add the K / V bounds (8 bytes a (batch, KV head), 16-byte aligned) and a dQ
+  // scale a row. A CTA an SM takes the (key tile, KV head, batch) items, in both modes; at head
+  // dim 192 a CTA an item.
   {
     auto bwd = [](FwdParams f, bool deterministic) {
       BwdParams p;
@@ -159,12 +161,24 @@ int main() {
     Tuning no_split;
     no_split.fa3_bwd_split = 0;
     const BwdPlan plain = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128, no_split);
-    CHECK(plain.workspace_bytes == rows * (128 + 2) * 4 + 16);
+    CHECK(plain.workspace_bytes == rows * (128 + 2) * 4 + 16 + 16);
+    // The accumulator zeroed by the main kernel in chunks of 32 KB: a pair (3 heads x 1024 rows
+    // x 128 fp32) is 48; none (a memset) with Tuning::fa3_bwd_zero = 0, and no counters.
+    CHECK(plain.zero_chunks == 48);
+    Tuning memset = no_split;
+    memset.fa3_bwd_zero = 0;
+    const BwdPlan plain_memset = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128, memset);
+    CHECK(plain_memset.zero_chunks == 0 &&
+          plain_memset.workspace_bytes == rows * (128 + 2) * 4 + 16);
+    // 16k rows x 128: 8 MB a pair, 256 chunks; a pair of 64 rows x 64 (one head) one chunk.
+    CHECK(plan_bwd(bwd(call(1, 16384, 16384, 16, 16), false), 128).zero_chunks == 256);
+    CHECK(plan_bwd(bwd(call(3, 64, 1500, 2, 2), false), 64).zero_chunks == 1);
     CHECK(plain.items == 48 && plain.split_parts == 1 && plain.split_items == 0);
     CHECK(plain.block_m == 64);
     // Plain calls at head dim 64: 96-row steps, scratch rows padded to 1056.
     const BwdPlan plain64 = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 64, no_split);
-    CHECK(plain64.block_m == 96 && plain64.workspace_bytes == 2 * 6 * 1056 * (64 + 2) * 4 + 16);
+    CHECK(plain64.block_m == 96 &&
+          plain64.workspace_bytes == 2 * 6 * 1056 * (64 + 2) * 4 + 16 + 16);
     // Causal calls from kBwdPlainCausalRows query rows (the diagonal's straddled key tiles
     // cost more than the fewer steps save below); windowed ones never.
     CHECK(plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 2)), false), 64).block_m == 64);
@@ -191,13 +205,13 @@ int main() {
     CHECK(many128.persistent && many128.ctas == 132);
     CHECK(!plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 192).persistent);
     const BwdPlan full = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), true), 128);
-    CHECK(full.block_m == 64 && full.workspace_bytes == rows * (128 + 3) * 4 + 16 + 32);
+    CHECK(full.block_m == 64 && full.workspace_bytes == rows * (128 + 3) * 4 + 16 + 16 + 32);
     CHECK(full.split_parts == 1 && full.persistent && full.ctas == full.items);
     const BwdPlan det = plan_bwd(bwd(call(16, 1024, 1024, 16, 16), true), 64);
     CHECK(det.persistent && det.ctas == 132 && det.items == many.items);
     CHECK(!plan_bwd(bwd(call(16, 1024, 1024, 16, 16), true), 192).persistent);
     const BwdPlan masked = plan_bwd(bwd(causal(call(2, 1000, 1500, 6, 3)), true), 64);
-    CHECK(masked.workspace_bytes == rows * (64 + 3) * 4 + 16 + 48);
+    CHECK(masked.workspace_bytes == rows * (64 + 3) * 4 + 16 + 32 + 48);
     // Causal calls take their last pairs' items key tile by key tile, at least two items an SM
     // (264 on 132 SMs): at 128, 4k (32 key tiles) the last 9 of 64 pairs; 1k (8 tiles) 33;
     // 16k (128 tiles) 3; a call of 2 pairs all of them; at 192 / 256 (64-key tiles) 4k the
@@ -224,7 +238,7 @@ int main() {
     CHECK(split4k.split_items == 68 && split4k.split_parts == 7);
     CHECK(split4k.items == 2048 + 68 * 6 && split4k.ctas == 132);
     CHECK(split4k.workspace_bytes ==
-          4 * 16 * 4096 * (128 + 2) * 4 + 16 + 272 + int64_t(68) * 2 * 128 * 128 * 4);
+          4 * 16 * 4096 * (128 + 2) * 4 + 16 + 272 + int64_t(68) * 2 * 128 * 128 * 4 + 256);
     CHECK(plan_bwd(bwd(call(8, 2048, 2048, 16, 16), false), 128).split_parts == 3);
     CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128).split_parts == 1);
     CHECK(plan_bwd(bwd(call(2, 8192, 8192, 32, 32), false), 64).split_parts == 8);
