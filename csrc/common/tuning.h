@@ -17,7 +17,8 @@ struct Tuning {
   int fa3_ctas = 0;       // > 0: the grid (stream-K: the workers), for the harness
   // fa3 backward (fa3_plan.h, plan_bwd)
   int fa3_bwd_split = -1;  // 0: no split of full attention's last wave, k > 0: k parts an item
-  int fa3_bwd_zero = -1;   // 0: the dQ accumulator zeroed by a memset, not by the main kernel
+  int fa3_bwd_zero = -1;   // 0: the dQ accumulator zeroed by a memset, not the main kernel;
+                           // k > 0: by the main kernel in chunks of k KB
   // fa2 backward (fa2/fa2.h, plan_bwd)
   int fa2_dq_bulk = -1;   // 0: per-fragment dQ reductions on sm90 too (sm80's path)
   int fa2_dq_defer = -1;  // 0: a dQ tile's reductions after its GEMM (the deterministic path)

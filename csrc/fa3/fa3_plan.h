@@ -312,9 +312,9 @@ inline int64_t bwd_split_bytes(int64_t split, int kernel_hdim) {
 // aligned as a block) sit after the split region, zeroed with the item counter. Only when the
 // main kernel runs (a grid of 0 CTAs would leave the accumulator as it was).
 constexpr int64_t kBwdZeroChunkBytes = 32 << 10;
-inline int bwd_zero_chunks(int64_t pair_bytes, int64_t pairs) {
-  const int64_t chunks =
-      std::max<int64_t>((pair_bytes + kBwdZeroChunkBytes - 1) / kBwdZeroChunkBytes, 1);
+inline int bwd_zero_chunks(int64_t pair_bytes, int64_t pairs,
+                           int64_t chunk_bytes = kBwdZeroChunkBytes) {
+  const int64_t chunks = std::max<int64_t>((pair_bytes + chunk_bytes - 1) / chunk_bytes, 1);
   return chunks * pairs >= INT_MAX ? 0 : int(chunks);
 }
 inline int64_t bwd_zero_counter_bytes(int64_t pairs) { return (pairs * 4 + 15) / 16 * 16; }
@@ -410,7 +410,9 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
   const int64_t pairs = int64_t(p.heads_k) * p.batch;
   if (plan.ctas > 0 && tuning.fa3_bwd_zero != 0) {
     const int64_t pair_bytes = int64_t(p.heads / p.heads_k) * rows_pad * kernel_hdim * 4;
-    plan.zero_chunks = bwd_zero_chunks(pair_bytes, pairs);
+    plan.zero_chunks = bwd_zero_chunks(
+        pair_bytes, pairs,
+        tuning.fa3_bwd_zero > 0 ? int64_t(tuning.fa3_bwd_zero) << 10 : kBwdZeroChunkBytes);
     if (plan.zero_chunks > 0) plan.workspace_bytes += bwd_zero_counter_bytes(pairs);
   }
   if (p.causal && p.window_left < 0) {

@@ -10,7 +10,7 @@
 //   ./fa3_bwd_harness batch seqlen_q seqlen_k heads heads_k causal
 // Environment: FA3_ITERS=n times n launches (default 20); FA3_NO_REF=1 skips the reference
 // (slow at 16k) and reports the results as unchecked; FA3_SPLIT=k: Tuning::fa3_bwd_split;
-// FA3_ZERO=0: Tuning::fa3_bwd_zero (the accumulator zeroed by a memset);
+// FA3_ZERO=0 / k: Tuning::fa3_bwd_zero (the accumulator zeroed by a memset / in k KB chunks);
 // FA3_MODES=default or deterministic runs that mode alone (A/B runs: half the time);
 // FA3_SPREAD=1: uneven dO rows, K and V rows (spread_rows), and dQ checked row by row.
 #include <cuda_bf16.h>
