@@ -49,6 +49,7 @@ struct BwdEpilogue {
     const bool leader = threadIdx.x == 32;
     for (int h = 0; h < Tr::kdQHandoffs; ++h) NamedBarrier::arrive(kdQBarrierThreads, kEmpty + h);
     int b = 0;
+    bool zeroed = false;  // the whole accumulator seen zeroed (wait_zeroed): no more waits
     #pragma unroll 1
     for (int taken = 0;; ++taken) {
       using Items = BwdItems<Tr, kPersistent>;
@@ -57,13 +58,10 @@ struct BwdEpilogue {
       if (item < 0) break;
       const BwdWork<Tr, kPersistent> w(p, s, item);
       if (w.steps.count() == 0) continue;
-      if (s.zero_chunks > 0) {  // the pair's accumulator zeroed (zero_dq), before the adds
-        if (leader) {
-          const unsigned* const done = s.zero_done + w.it.batch * p.heads_k + w.it.head_k;
-          while (ld_acquire_gpu(done) < unsigned(s.zero_chunks)) __nanosleep(64);
-          fence_proxy_async_global();  // the zeroes (generic proxy) before the bulk adds
-        }
-        __syncwarp();
+      if (s.zero_chunks > 0 && !zeroed) {  // the pair's accumulator zeroed, before the adds
+        int all = 0;
+        if (leader) all = wait_zeroed(p, s, w.it.batch * p.heads_k + w.it.head_k);
+        zeroed = __shfl_sync(0xffffffffu, all, 0) != 0;
       }
       // The scratch row of the group's first head, then of each next one.
       int64_t head_row =
@@ -105,10 +103,25 @@ struct BwdEpilogue {
     if (leader) bulk_wait_complete();  // done before the CTA's shared memory goes
   }
 
+  // The dQ writer's wait for pair `pair`'s accumulator (zero_dq), then a proxy fence: the
+  // zeroes (generic proxy) before its bulk adds. Returns whether every pair's was zeroed, after
+  // which the writer waits no more (one fence covers them all).
+  static __device__ __forceinline__ bool wait_zeroed(const BwdParams& p, const BwdScratch& s,
+                                                     int pair) {
+    const unsigned total = unsigned(p.batch * p.heads_k) * unsigned(s.zero_chunks);
+    const bool all = ld_acquire_gpu(s.zero_all) >= total;
+    if (!all) {
+      while (ld_acquire_gpu(s.zero_done + pair) < unsigned(s.zero_chunks)) __nanosleep(64);
+    }
+    fence_proxy_async_global();
+    return all;
+  }
+
   // The producer warpgroup's warps 2-3, otherwise idle, with BwdPlan::zero_chunks: the dQ
   // accumulator zeroed chunk by chunk, each warp taking chunks from s.zero_next in order (the
   // first pairs' first: the pairs of the first items) and counting each done in its pair's
-  // s.zero_done (the stores, a fence, a release add; write_dq acquires the count). Every CTA's
+  // s.zero_done and in s.zero_all (the stores, a fence, release adds; write_dq acquires the
+  // counts: wait_zeroed). Every CTA's
   // warps take chunks until none is left, so the zeroing finishes whichever CTAs are resident:
   // a writer never waits on a CTA that has not started.
   static __device__ __forceinline__ void zero_dq(const BwdParams& p, const BwdScratch& s) {
@@ -132,7 +145,10 @@ struct BwdEpilogue {
       }
       __threadfence();
       __syncwarp();
-      if (lane == 0) red_release_gpu_add(s.zero_done + pair, 1u);
+      if (lane == 0) {
+        red_release_gpu_add(s.zero_done + pair, 1u);
+        red_release_gpu_add(s.zero_all, 1u);
+      }
     }
   }
 

@@ -45,6 +45,7 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
   const int64_t pairs = int64_t(p.batch) * p.heads_k;
   s.zero_chunks = plan.zero_chunks;
   s.zero_next = s.next_item + 1;
+  s.zero_all = s.next_item + 2;
   s.zero_done = reinterpret_cast<unsigned*>(after_split);
   float* const after_zero =
       after_split + (plan.zero_chunks > 0 ? bwd_zero_counter_bytes(pairs) / 4 : 0);

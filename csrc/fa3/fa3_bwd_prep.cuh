@@ -4,7 +4,7 @@
 //          zero_chunks), added to by every key tile: fp32,
 //          or in deterministic mode fixed point (below)
 //   next_item  the persistent kernel's item counter (fa3_bwd_items.h), zeroed with dq;
-//          zero_next beside it
+//          zero_next and zero_all beside it
 //   split  the split items' part counters and fp32 dK / dV sums (BwdPlan::split_items), zeroed
 //          with dq
 //   zero_done  with BwdPlan::zero_chunks: per (batch, KV head) the chunks of dq zeroed by the
@@ -66,9 +66,11 @@ struct BwdScratch {
   unsigned* split_count;
   float* split_acc;
   // The accumulator zeroed by the main kernel (BwdPlan::zero_chunks; 0: by a memset): chunks
-  // taken from zero_next, counted per (batch, KV head) pair in zero_done.
+  // taken from zero_next, counted done per (batch, KV head) pair in zero_done and in all in
+  // zero_all.
   int zero_chunks;
   unsigned* zero_next;
+  unsigned* zero_all;
   unsigned* zero_done;
 };
 

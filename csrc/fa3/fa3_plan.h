@@ -292,8 +292,9 @@ inline bool bwd_plain(const BwdParams& p) {
 // (-1.4..-1.9%): its 64-key items leave little to overlap.
 constexpr bool bwd_persistent(int kernel_hdim) { return kernel_hdim != 192; }
 
-// The workspace's item counter (BwdScratch::next_item), after the dQ accumulators: 16 bytes, so
-// that lse and D after it stay 16-byte aligned for bulk copies.
+// The workspace's item counter (BwdScratch::next_item) and the zeroing's two (zero_next,
+// zero_all), after the dQ accumulators: 16 bytes, so that lse and D after them stay 16-byte
+// aligned for bulk copies.
 constexpr int kBwdCounterBytes = 16;
 // The split items' region of the workspace (BwdPlan::split_items), after the item counter: a
 // counter each (16-byte aligned as a block), then each item's fp32 dK and dV.
@@ -311,7 +312,7 @@ inline int64_t bwd_split_bytes(int64_t split, int kernel_hdim) {
 // pairs lands in a few us, before their first adds. The counters (a 4-byte count a pair, 16-byte
 // aligned as a block) sit after the split region, zeroed with the item counter. Only when the
 // main kernel runs (a grid of 0 CTAs would leave the accumulator as it was).
-constexpr int64_t kBwdZeroChunkBytes = 32 << 10;
+constexpr int64_t kBwdZeroChunkBytes = 8 << 10;
 inline int bwd_zero_chunks(int64_t pair_bytes, int64_t pairs,
                            int64_t chunk_bytes = kBwdZeroChunkBytes) {
   const int64_t chunks = std::max<int64_t>((pair_bytes + chunk_bytes - 1) / chunk_bytes, 1);

@@ -162,17 +162,21 @@ int main() {
     no_split.fa3_bwd_split = 0;
     const BwdPlan plain = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128, no_split);
     CHECK(plain.workspace_bytes == rows * (128 + 2) * 4 + 16 + 16);
-    // The accumulator zeroed by the main kernel in chunks of 32 KB: a pair (3 heads x 1024 rows
-    // x 128 fp32) is 48; none (a memset) with Tuning::fa3_bwd_zero = 0, and no counters.
-    CHECK(plain.zero_chunks == 48);
+    // The accumulator zeroed by the main kernel in chunks of 8 KB: a pair (3 heads x 1024 rows
+    // x 128 fp32) is 192; none (a memset) with Tuning::fa3_bwd_zero = 0, and no counters; k KB
+    // chunks with fa3_bwd_zero = k.
+    CHECK(plain.zero_chunks == 192);
     Tuning memset = no_split;
     memset.fa3_bwd_zero = 0;
     const BwdPlan plain_memset = plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128, memset);
     CHECK(plain_memset.zero_chunks == 0 &&
           plain_memset.workspace_bytes == rows * (128 + 2) * 4 + 16);
-    // 16k rows x 128: 8 MB a pair, 256 chunks; a pair of 64 rows x 64 (one head) one chunk.
-    CHECK(plan_bwd(bwd(call(1, 16384, 16384, 16, 16), false), 128).zero_chunks == 256);
-    CHECK(plan_bwd(bwd(call(3, 64, 1500, 2, 2), false), 64).zero_chunks == 1);
+    Tuning chunks32 = no_split;
+    chunks32.fa3_bwd_zero = 32;
+    CHECK(plan_bwd(bwd(call(2, 1000, 1500, 6, 2), false), 128, chunks32).zero_chunks == 48);
+    // 16k rows x 128: 8 MB a pair, 1024 chunks; a pair of 96 rows x 64 (one head) three.
+    CHECK(plan_bwd(bwd(call(1, 16384, 16384, 16, 16), false), 128).zero_chunks == 1024);
+    CHECK(plan_bwd(bwd(call(3, 64, 1500, 2, 2), false), 64).zero_chunks == 3);
     CHECK(plain.items == 48 && plain.split_parts == 1 && plain.split_items == 0);
     CHECK(plain.block_m == 64);
     // Plain calls at head dim 64: 96-row steps, scratch rows padded to 1056.
