@@ -307,11 +307,12 @@ inline int64_t bwd_split_bytes(int64_t split, int kernel_hdim) {
 // zero_dq): the producer warpgroup's idle warps take chunks of it from a counter, the first
 // pairs' first, and count each chunk done per (KV head, batch) pair; the dQ writer waits for
 // its pair's count before its first add. The memset's 128 MB at 16k tokens x hidden 2048
-// (~45 us, 3% of head dim 128's backward at 2k) then overlap the kernel's first wave, which
-// reads little from memory. Chunks of kBwdZeroChunkBytes: a warp's share of the first wave's
-// pairs lands in a few us, before their first adds. The counters (a 4-byte count a pair, 16-byte
-// aligned as a block) sit after the split region, zeroed with the item counter. Only when the
-// main kernel runs (a grid of 0 CTAs would leave the accumulator as it was).
+// (~45 us) then overlap the kernel's first wave, which reads little from memory: H100, 64 and
+// 128, +1.7..+3.7% at 1k-4k, level at 16k (docs/fa3_decisions.md). Chunks of 8 KB: the first
+// wave's pairs land before their first adds (32 KB: 2k -1%; 2 KB: the claims' atomics, -20%
+// at 1k). The counters (a 4-byte count a pair, 16-byte aligned as a block) sit after the split
+// region, zeroed with the item counter. Only when the main kernel runs (a grid of 0 CTAs
+// would leave the accumulator as it was).
 constexpr int64_t kBwdZeroChunkBytes = 8 << 10;
 inline int bwd_zero_chunks(int64_t pair_bytes, int64_t pairs,
                            int64_t chunk_bytes = kBwdZeroChunkBytes) {
