@@ -472,7 +472,6 @@ def test_deterministic_backward_uneven_rows(d):
     assert worst <= 1.0, f"dq: a row's error is {worst:.2f} x (2 x the default mode's + ulp)"
 
 
-
 @pytest.mark.parametrize("case", ["few-pairs", "more-items-than-sms"])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
@@ -498,6 +497,7 @@ def test_backward_zeroed_in_kernel(d, causal, case):
     memset = run_ours(inputs, fa(det, tuning=dict(fa3_bwd_zero=0)), dout)
     for name, g, g0 in zip(("dq", "dk", "dv"), in_kernel.grads, memset.grads):
         assert torch.equal(g, g0), f"{name}: zeroed in the kernel and by a memset differ"
+
 
 # ---- 5. layouts and grids ---------------------------------------------------------------------
 

@@ -108,8 +108,7 @@ struct BwdEpilogue {
   // which the writer waits no more (one fence covers them all).
   static __device__ __forceinline__ bool wait_zeroed(const BwdParams& p, const BwdScratch& s,
                                                      int pair) {
-    const unsigned total = unsigned(p.batch * p.heads_k) * unsigned(s.zero_chunks);
-    const bool all = ld_acquire_gpu(s.zero_all) >= total;
+    const bool all = ld_acquire_gpu(s.zero_all) >= zero_total(p, s);
     if (!all) {
       while (ld_acquire_gpu(s.zero_done + pair) < unsigned(s.zero_chunks)) __nanosleep(64);
     }
@@ -117,17 +116,20 @@ struct BwdEpilogue {
     return all;
   }
 
+  // The accumulator's chunks in all (below 2^31: bwd_zero_chunks).
+  static __device__ __forceinline__ unsigned zero_total(const BwdParams& p, const BwdScratch& s) {
+    return unsigned(p.batch * p.heads_k) * unsigned(s.zero_chunks);
+  }
+
   // The producer warpgroup's warps 2-3, otherwise idle, with BwdPlan::zero_chunks: the dQ
   // accumulator zeroed chunk by chunk, each warp taking chunks from s.zero_next in order (the
   // first pairs' first: the pairs of the first items) and counting each done in its pair's
   // s.zero_done and in s.zero_all (the stores, a fence, release adds; write_dq acquires the
-  // counts: wait_zeroed). Every CTA's
-  // warps take chunks until none is left, so the zeroing finishes whichever CTAs are resident:
-  // a writer never waits on a CTA that has not started.
+  // counts: wait_zeroed). Every CTA's warps take chunks until none is left, so the zeroing
+  // finishes whichever CTAs are resident: a writer never waits on a CTA that has not started.
   static __device__ __forceinline__ void zero_dq(const BwdParams& p, const BwdScratch& s) {
     const int lane = threadIdx.x % 32;
-    const unsigned chunks = unsigned(s.zero_chunks);
-    const unsigned total = unsigned(p.batch * p.heads_k) * chunks;  // < 2^31 (the plan's)
+    const unsigned chunks = unsigned(s.zero_chunks), total = zero_total(p, s);
     const int64_t pair_vecs = int64_t(p.heads / p.heads_k) * s.rows_pad * (kHeadDim / 4);
     float4* const dq = reinterpret_cast<float4*>(s.dq);
     #pragma unroll 1

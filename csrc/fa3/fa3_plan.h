@@ -404,12 +404,8 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
       plan.workspace_bytes += bwd_split_bytes(split, kernel_hdim);
     }
   }
-  // Causal items differ in length (key tile n walks the query tiles from about n kBlockN /
-  // kBlockM on), longest first within a pair. Taken pair by pair (the CTAs running at once
-  // then share a few pairs' Q and dO in L2), the last pairs' long items would start when the
-  // other CTAs are nearly done; so the last pairs, kBwdTailItems items an SM, go key tile by
-  // key tile over all of them, and the last items taken are short ones (fa3_bwd_items.h).
   const int64_t pairs = int64_t(p.heads_k) * p.batch;
+  // The accumulator zeroed by the main kernel where it runs (bwd_zero_chunks).
   if (plan.ctas > 0 && tuning.fa3_bwd_zero != 0) {
     const int64_t pair_bytes = int64_t(p.heads / p.heads_k) * rows_pad * kernel_hdim * 4;
     plan.zero_chunks = bwd_zero_chunks(
@@ -417,6 +413,11 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
         tuning.fa3_bwd_zero > 0 ? int64_t(tuning.fa3_bwd_zero) << 10 : kBwdZeroChunkBytes);
     if (plan.zero_chunks > 0) plan.workspace_bytes += bwd_zero_counter_bytes(pairs);
   }
+  // Causal items differ in length (key tile n walks the query tiles from about n kBlockN /
+  // kBlockM on), longest first within a pair. Taken pair by pair (the CTAs running at once
+  // then share a few pairs' Q and dO in L2), the last pairs' long items would start when the
+  // other CTAs are nearly done; so the last pairs, kBwdTailItems items an SM, go key tile by
+  // key tile over all of them, and the last items taken are short ones (fa3_bwd_items.h).
   if (p.causal && p.window_left < 0) {
     plan.tail_pairs = int(std::clamp<int64_t>(
         ceil_div(int64_t(kBwdTailItems) * std::max(p.num_sms, 1), key_tiles), 1, pairs));
