@@ -499,6 +499,36 @@ def test_backward_zeroed_in_kernel(d, causal, case):
         assert torch.equal(g, g0), f"{name}: zeroed in the kernel and by a memset differ"
 
 
+@pytest.mark.parametrize("case", ["few-pairs", "more-items-than-sms"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_backward_prep_in_kernel(d, causal, case):
+    """The rows' lse and D computed by the main kernel's zeroing warps for the pairs past the
+    preprocess's (fa3_plan.h: bwd_prep_pairs), through the private fa3_bwd_prep_pairs: 0 (every
+    pair's, the producer waiting for each item's pair) and 1 (the rest of the first), against
+    the preprocess for every pair (a count past them): the reference, and dK / dV bit for bit
+    (default mode, no split item: a key tile's sums are one CTA's, in order; only dQ's adds
+    come in any order). Shapes as test_backward_zeroed_in_kernel's; head dim 192 runs a CTA an
+    item, where the preprocess keeps every pair."""
+    dtype = torch.bfloat16
+    skip_unless_built(dtype, d)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if case == "few-pairs":
+        b, sq, sk, h, hk = 2, 1000, 1500, 6, 2
+    else:
+        b, sq, sk, h, hk = 2 * sms // (16 * 3) + 1, 300, 1999, 6, 3
+    inputs = qkv(b, sq, sk, h, hk, d, dtype)
+    dout = randn(b, sq, h, d, dtype=dtype)
+    attn = attn_args(dict(causal=True) if causal else {}, b, h)
+    no_split = dict(fa3_bwd_split=0)
+    prep = run_ours(inputs, fa(attn, tuning=dict(no_split, fa3_bwd_prep_pairs=1 << 30)), dout)
+    for pairs in (0, 1):
+        ours = check(inputs, "qkv", dtype, fa(attn, tuning=dict(no_split, fa3_bwd_prep_pairs=pairs)),
+                     attn, dout=dout)
+        for name, g, g0 in zip(("dk", "dv"), ours.grads[1:], prep.grads[1:]):
+            assert torch.equal(g, g0), f"{name}: lse / D from the kernel and the preprocess differ"
+
+
 # ---- 5. layouts and grids ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("d", [64, 128])

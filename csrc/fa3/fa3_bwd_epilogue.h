@@ -49,7 +49,7 @@ struct BwdEpilogue {
     const bool leader = threadIdx.x == 32;
     for (int h = 0; h < Tr::kdQHandoffs; ++h) NamedBarrier::arrive(kdQBarrierThreads, kEmpty + h);
     int b = 0;
-    bool zeroed = false;  // the whole accumulator seen zeroed (wait_zeroed): no more waits
+    bool zeroed = false;  // the whole accumulator seen zeroed (wait_chunks): no more waits
     #pragma unroll 1
     for (int taken = 0;; ++taken) {
       using Items = BwdItems<Tr, kPersistent>;
@@ -60,7 +60,7 @@ struct BwdEpilogue {
       if (w.steps.count() == 0) continue;
       if (s.zero_chunks > 0 && !zeroed) {  // the pair's accumulator zeroed, before the adds
         int all = 0;
-        if (leader) all = wait_zeroed(p, s, w.it.batch * p.heads_k + w.it.head_k);
+        if (leader) all = wait_chunks(p, s, w.it.batch * p.heads_k + w.it.head_k);
         zeroed = __shfl_sync(0xffffffffu, all, 0) != 0;
       }
       // The scratch row of the group's first head, then of each next one.
@@ -103,10 +103,11 @@ struct BwdEpilogue {
     if (leader) bulk_wait_complete();  // done before the CTA's shared memory goes
   }
 
-  // The dQ writer's wait for pair `pair`'s accumulator (zero_dq), then a proxy fence: the
-  // zeroes (generic proxy) before its bulk adds. Returns whether every pair's was zeroed, after
-  // which the writer waits no more (one fence covers them all).
-  static __device__ __forceinline__ bool wait_zeroed(const BwdParams& p, const BwdScratch& s,
+  // The wait for pair `pair`'s chunks (prep_chunks: its accumulator zeroed, and its rows'
+  // lse2 / dsum past prep_pairs), then a proxy fence: those stores (generic proxy) before the
+  // caller's bulk adds (the dQ writer) or bulk copies (the producer). Returns whether every
+  // pair's chunks were done, after which the caller waits no more (one fence covers them all).
+  static __device__ __forceinline__ bool wait_chunks(const BwdParams& p, const BwdScratch& s,
                                                      int pair) {
     const bool all = ld_acquire_gpu(s.zero_all) >= zero_total(p, s);
     if (!all) {
@@ -124,13 +125,18 @@ struct BwdEpilogue {
   // The producer warpgroup's warps 2-3, otherwise idle, with BwdPlan::zero_chunks: the dQ
   // accumulator zeroed chunk by chunk, each warp taking chunks from s.zero_next in order (the
   // first pairs' first: the pairs of the first items) and counting each done in its pair's
-  // s.zero_done and in s.zero_all (the stores, a fence, release adds; write_dq acquires the
-  // counts: wait_zeroed). Every CTA's warps take chunks until none is left, so the zeroing
-  // finishes whichever CTAs are resident: a writer never waits on a CTA that has not started.
-  static __device__ __forceinline__ void zero_dq(const BwdParams& p, const BwdScratch& s) {
+  // s.zero_done and in s.zero_all (the stores, a fence, release adds; write_dq and, past
+  // prep_pairs, the producer acquire the counts: wait_chunks). In a pair past s.prep_pairs a
+  // chunk is also its share of the pair's rows' lse2 / dsum (bwd_prep_row; BwdPlan::
+  // prep_pairs), read first so that the zeroes' stores go out under the loads. Every CTA's
+  // warps take chunks until none is left, so the zeroing finishes whichever CTAs are
+  // resident: a waiter never waits on a CTA that has not started.
+  static __device__ __forceinline__ void prep_chunks(const BwdParams& p, const BwdScratch& s) {
+    constexpr int kLanes = bwd_prep_lanes<kHeadDim>(), kRowsPerStep = 32 / kLanes;
     const int lane = threadIdx.x % 32;
     const unsigned chunks = unsigned(s.zero_chunks), total = zero_total(p, s);
-    const int64_t pair_vecs = int64_t(p.heads / p.heads_k) * s.rows_pad * (kHeadDim / 4);
+    const int64_t pair_rows = int64_t(p.heads / p.heads_k) * s.rows_pad;
+    const int64_t pair_vecs = pair_rows * (kHeadDim / 4);
     float4* const dq = reinterpret_cast<float4*>(s.dq);
     #pragma unroll 1
     for (;;) {
@@ -139,11 +145,31 @@ struct BwdEpilogue {
       c = __shfl_sync(0xffffffffu, c, 0);
       if (c >= total) break;
       const unsigned pair = c / chunks, part = c % chunks;
+      const bool prep = pair >= s.prep_pairs;
+      // The chunk's rows [begin, end) of the pair's, from scratch row row0, kRowsPerStep at a
+      // time: first their dO and O into L2, then (after the zeroes) their lse2 and dsum.
+      const int64_t row0 = int64_t(pair) * pair_rows, begin = part * pair_rows / chunks;
+      const int64_t end = (part + 1) * pair_rows / chunks;
+      if (prep) {
+        #pragma unroll 1
+        for (int64_t r = begin + lane / kLanes; r < end; r += kRowsPerStep) {
+          bwd_prep_row<typename Tr::Raw, kHeadDim, false, true>(p, s, row0 + r, lane % kLanes,
+                                                                true);
+        }
+      }
       float4* const chunk = dq + int64_t(pair) * pair_vecs;
-      const int64_t end = (part + 1) * pair_vecs / chunks;
+      const int64_t vec_end = (part + 1) * pair_vecs / chunks;
       #pragma unroll 4
-      for (int64_t i = part * pair_vecs / chunks + lane; i < end; i += 32) {
+      for (int64_t i = part * pair_vecs / chunks + lane; i < vec_end; i += 32) {
         chunk[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      if (prep) {
+        #pragma unroll 1
+        for (int64_t r = begin; r < end; r += kRowsPerStep) {
+          const int64_t row = r + lane / kLanes;
+          bwd_prep_row<typename Tr::Raw, kHeadDim, false>(p, s, row0 + row, lane % kLanes,
+                                                          row < end);
+        }
       }
       __threadfence();
       __syncwarp();
