@@ -185,13 +185,6 @@ __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 #endif
 }
-// `bytes` (a multiple of 16, 16-byte aligned) of global memory brought into L2, nothing waited
-// for: loads that follow later hit L2 instead of waiting on DRAM.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* gmem, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
-#endif
-}
 // A count read with acquire semantics at GPU scope (a flag another CTA releases).
 __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* ptr) {
   unsigned v = 0;

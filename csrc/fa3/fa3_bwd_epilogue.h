@@ -127,17 +127,18 @@ struct BwdEpilogue {
   // first pairs' first: the pairs of the first items) and counting each done in its pair's
   // s.zero_done and in s.zero_all (the stores, a fence, release adds; write_dq and, past
   // prep_pairs, the producer acquire the counts: wait_chunks). In a pair past s.prep_pairs a
-  // chunk is also its share of the pair's rows' lse2 / dsum (bwd_prep_row; BwdPlan::
-  // prep_pairs), read first so that the zeroes' stores go out under the loads. Every CTA's
-  // warps take chunks until none is left, so the zeroing finishes whichever CTAs are
-  // resident: a waiter never waits on a CTA that has not started.
-  static __device__ __forceinline__ void prep_chunks(const BwdParams& p, const BwdScratch& s) {
-    constexpr int kLanes = bwd_prep_lanes<kHeadDim>(), kRowsPerStep = 32 / kLanes;
-    const int lane = threadIdx.x % 32;
+  // chunk also brings its share of the pair's rows' lse2 / dsum (prep_rows; BwdPlan::
+  // prep_pairs), whose dO and O rows are in flight while the zeroes go out. Every CTA's warps
+  // take chunks until none is left, so the zeroing finishes whichever CTAs are resident: a
+  // waiter never waits on a CTA that has not started.
+  static __device__ __forceinline__ void prep_chunks(const BwdParams& p, const BwdScratch& s,
+                                                     typename Tr::SharedStorage& shared) {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - 2;
     const unsigned chunks = unsigned(s.zero_chunks), total = zero_total(p, s);
     const int64_t pair_rows = int64_t(p.heads / p.heads_k) * s.rows_pad;
     const int64_t pair_vecs = pair_rows * (kHeadDim / 4);
     float4* const dq = reinterpret_cast<float4*>(s.dq);
+    uint32_t phase = 0;
     #pragma unroll 1
     for (;;) {
       unsigned c = 0;
@@ -145,37 +146,114 @@ struct BwdEpilogue {
       c = __shfl_sync(0xffffffffu, c, 0);
       if (c >= total) break;
       const unsigned pair = c / chunks, part = c % chunks;
-      const bool prep = pair >= s.prep_pairs;
-      // The chunk's rows [begin, end) of the pair's, from scratch row row0, kRowsPerStep at a
-      // time: first their dO and O into L2, then (after the zeroes) their lse2 and dsum.
-      const int64_t row0 = int64_t(pair) * pair_rows, begin = part * pair_rows / chunks;
+      const bool prep = bwd_prep_in_kernel(kHeadDim) && pair >= s.prep_pairs;
+      // The chunk's rows of the pair, Tr::kPrepRows at a time.
+      int64_t rows = part * pair_rows / chunks;
       const int64_t end = (part + 1) * pair_rows / chunks;
-      if (prep) {
-        #pragma unroll 1
-        for (int64_t r = begin + lane / kLanes; r < end; r += kRowsPerStep) {
-          bwd_prep_row<typename Tr::Raw, kHeadDim, false, true>(p, s, row0 + r, lane % kLanes,
-                                                                true);
-        }
-      }
+      if (prep) stage_rows(p, s, shared, warp, pair, rows, min(end, rows + Tr::kPrepRows));
       float4* const chunk = dq + int64_t(pair) * pair_vecs;
       const int64_t vec_end = (part + 1) * pair_vecs / chunks;
       #pragma unroll 4
       for (int64_t i = part * pair_vecs / chunks + lane; i < vec_end; i += 32) {
         chunk[i] = make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      if (prep) {
-        #pragma unroll 1
-        for (int64_t r = begin; r < end; r += kRowsPerStep) {
-          const int64_t row = r + lane / kLanes;
-          bwd_prep_row<typename Tr::Raw, kHeadDim, false>(p, s, row0 + row, lane % kLanes,
-                                                          row < end);
-        }
+      #pragma unroll 1
+      while (prep && rows < end) {
+        const int64_t next = min(end, rows + Tr::kPrepRows);
+        bulk_wait(&shared.prep_full[warp], phase);
+        phase ^= 1;
+        prep_rows(p, s, shared, warp, pair, rows, next);
+        fence_proxy_async();  // the reads before the next rows' copies into the buffer
+        __syncwarp();
+        rows = next;
+        if (rows < end) stage_rows(p, s, shared, warp, pair, rows, min(end, rows + Tr::kPrepRows));
       }
       __threadfence();
       __syncwarp();
       if (lane == 0) {
         red_release_gpu_add(s.zero_done + pair, 1u);
         red_release_gpu_add(s.zero_all, 1u);
+      }
+    }
+  }
+
+  // Row i of pair `pair`'s rows (its heads' s.rows_pad rows each): its head and row.
+  struct PairRow {
+    int head, r;
+  };
+  static __device__ __forceinline__ PairRow pair_row(const BwdParams& p, const BwdScratch& s,
+                                                     unsigned pair, int64_t i) {
+    const int64_t g = i / s.rows_pad;
+    return {int(pair % p.heads_k) * (p.heads / p.heads_k) + int(g), int(i - g * s.rows_pad)};
+  }
+
+  // The dO and O rows [from, to) of pair `pair` that the sequence has (past it: none) into
+  // warp `warp`'s buffer, row k's at slots 2 k and 2 k + 1, by bulk copies on its barrier
+  // (prep_full), the bytes counted first.
+  static __device__ __forceinline__ void stage_rows(const BwdParams& p, const BwdScratch& s,
+                                                    typename Tr::SharedStorage& shared, int warp,
+                                                    unsigned pair, int64_t from, int64_t to) {
+    using T = typename Tr::Raw;
+    const int lane = threadIdx.x % 32, copies = 2 * int(to - from);
+    const SeqInfo seq(p, int(pair / p.heads_k));
+    const int seqlen = seq.seqlen_q(p);
+    const uint32_t row_bytes = uint32_t(p.head_dim * sizeof(T));
+    int live = 0;
+    for (int j = lane; j < copies; j += 32) live += pair_row(p, s, pair, from + j / 2).r < seqlen;
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) live += __shfl_xor_sync(0xffffffffu, live, offset);
+    if (lane == 0) bulk_expect(&shared.prep_full[warp], uint32_t(live) * row_bytes);
+    __syncwarp();
+    for (int j = lane; j < copies; j += 32) {
+      const PairRow at = pair_row(p, s, pair, from + j / 2);
+      if (at.r >= seqlen) continue;
+      const T* const src = j % 2 == 0 ? static_cast<const T*>(p.dout) + seq.do_offset(p, at.head) +
+                                            int64_t(at.r) * p.do_strides.row
+                                      : static_cast<const T*>(p.o) + seq.o_offset(p, at.head) +
+                                            int64_t(at.r) * p.o_strides.row;
+      bulk_copy(shared.prep_rows[warp] + j * kHeadDim * int(sizeof(T)), src, row_bytes,
+                &shared.prep_full[warp]);
+    }
+  }
+
+  // The rows [from, to) of pair `pair` from the staged dO and O (stage_rows): D = rowsum(dO o O)
+  // into s.dsum (0 past the sequence) and the lse in base 2 into s.lse2 (+inf past it), as the
+  // preprocess (bwd_prep_kernel) sums them, bwd_prep_lanes lanes a row.
+  static __device__ __forceinline__ void prep_rows(const BwdParams& p, const BwdScratch& s,
+                                                   typename Tr::SharedStorage& shared, int warp,
+                                                   unsigned pair, int64_t from, int64_t to) {
+    using T = typename Tr::Raw;
+    constexpr int kLanes = bwd_prep_lanes<kHeadDim>(), kRowsPerStep = 32 / kLanes;
+    const int lane = threadIdx.x % 32, sub = lane % kLanes;
+    const SeqInfo seq(p, int(pair / p.heads_k));
+    const int seqlen = seq.seqlen_q(p);
+    const int64_t row0 = int64_t(pair) * (p.heads / p.heads_k) * s.rows_pad;
+    #pragma unroll 1
+    for (int64_t base = from; base < to; base += kRowsPerStep) {
+      const int64_t i = base + lane / kLanes;
+      const int k = int(i - from);
+      const PairRow at = pair_row(p, s, pair, i);
+      const bool store = i < to, live = store && at.r < seqlen;
+      float acc = 0.f;
+      if (live && sub * 8 < p.head_dim) {
+        const char* const slot = shared.prep_rows[warp] + 2 * k * kHeadDim * int(sizeof(T));
+        const uint4 dov = *reinterpret_cast<const uint4*>(slot + sub * 16);
+        const uint4 ov = *reinterpret_cast<const uint4*>(slot + kHeadDim * sizeof(T) + sub * 16);
+        const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
+        #pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const float2 x = bwd_to_float2<T>(dw[w]), y = bwd_to_float2<T>(ow[w]);
+          acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+        }
+      }
+      #pragma unroll
+      for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+        acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+      }
+      if (sub == 0 && store) {
+        s.dsum[row0 + i] = acc;
+        s.lse2[row0 + i] =
+            live ? p.lse[seq.lse_offset(p, at.head) + at.r] * float(M_LOG2E) : INFINITY;
       }
     }
   }

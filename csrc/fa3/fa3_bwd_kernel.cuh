@@ -80,6 +80,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full[k], 1);
       cutlass::arch::ClusterBarrier::init(&shared.kv_empty[k], 256 + 32);  // consumers, writer
     }
+    for (int k = 0; k < 2; ++k) cutlass::arch::ClusterBarrier::init(&shared.prep_full[k], 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       return;
     }
     if (threadIdx.x / 32 >= 2) {
-      if (s.zero_chunks > 0) BwdEpilogue<Tr>::prep_chunks(p, s);
+      if (s.zero_chunks > 0) BwdEpilogue<Tr>::prep_chunks(p, s, shared);
       return;
     }
     if (threadIdx.x != 0) return;

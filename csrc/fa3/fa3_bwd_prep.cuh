@@ -34,7 +34,6 @@
 
 #include <cstdint>
 
-#include "common/mma.cuh"
 #include "common/params.h"
 #include "common/pdl.h"
 #include "common/seqinfo.h"
@@ -189,78 +188,56 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
 #endif
 }
 
-// Scratch row `row` (row r = row % rows_pad of (batch, head) row / rows_pad) by the
-// bwd_prep_lanes lanes `lane` of a warp's group, 16 bytes of dO and O each: its D = rowsum(dO o
-// O) into dsum (0 past the sequence) and the lse in base 2 into lse2 (+inf past it); kFixed
-// (deterministic mode): the row scale too, from dO's norm and kv_bound (bwd_kv_bound_kernel,
-// launched before). `store` false: the lanes take part in the sum's shuffles only. Every lane
-// of the warp calls it. kPrefetch: the row's dO and O are only brought into L2 (lanes 0 and 1),
-// for a call without it later.
-template <typename T, int kHeadDim, bool kFixed, bool kPrefetch = false>
-__device__ __forceinline__ void bwd_prep_row(const BwdParams& p, const BwdScratch& s,
-                                             int64_t row, int lane, bool store) {
-  constexpr int kLanes = bwd_prep_lanes<kHeadDim>();
-  static_assert(kLanes * 8 >= kHeadDim && 32 % kLanes == 0);
-  const int64_t bh = row / s.rows_pad;
-  const int r = int(row % s.rows_pad), h = int(bh % p.heads);
-  const SeqInfo seq(p, int(bh / p.heads));
-  const bool live = store && r < seq.seqlen_q(p);
-  if constexpr (kPrefetch) {
-    if (live && lane < 2) {
-      bulk_prefetch_l2(lane == 0 ? static_cast<const T*>(p.dout) + seq.do_offset(p, h) +
-                                       r * p.do_strides.row
-                                 : static_cast<const T*>(p.o) + seq.o_offset(p, h) +
-                                       r * p.o_strides.row,
-                       uint32_t(p.head_dim * sizeof(T)));
-    }
-    return;
-  }
-  float acc = 0.f, do2 = 0.f;
-  if (live && lane * 8 < p.head_dim) {
-    const uint4 dov = __ldg(reinterpret_cast<const uint4*>(
-        static_cast<const T*>(p.dout) + seq.do_offset(p, h) + r * p.do_strides.row + lane * 8));
-    const uint4 ov = __ldg(reinterpret_cast<const uint4*>(
-        static_cast<const T*>(p.o) + seq.o_offset(p, h) + r * p.o_strides.row + lane * 8));
-    const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const float2 x = bwd_to_float2<T>(dw[w]), y = bwd_to_float2<T>(ow[w]);
-      acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
-      if constexpr (kFixed) do2 = fmaf(x.x, x.x, fmaf(x.y, x.y, do2));
-    }
-  }
-#pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
-    acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if constexpr (kFixed) do2 += __shfl_xor_sync(0xffffffffu, do2, offset);
-  }
-  if (lane == 0 && store) {
-    s.dsum[row] = acc;
-    // lse is +inf for a row that saw no key: P = 0 there as past the sequence.
-    s.lse2[row] = live ? p.lse[seq.lse_offset(p, h) + r] * float(M_LOG2E) : INFINITY;
-    if constexpr (kFixed) {
-      const int head_k = h / (p.heads / p.heads_k);
-      s.dq_scale[row] =
-          dq_fixed_scale(do2, s.kv_bound + 2 * (int64_t(seq.batch) * p.heads_k + head_k));
-    }
-  }
-}
-
-// The rows of pairs [0, s.prep_pairs) (bwd_prep_row), bwd_prep_lanes lanes a row.
+// bwd_prep_lanes lanes a row, 16 bytes of dO and O each; kFixed (deterministic mode): the row
+// scales too, from dO's norm and kv_bound (bwd_kv_bound_kernel, launched before).
 template <typename T, int kHeadDim, bool kFixed>
 __global__ void __launch_bounds__(kBwdPrepThreads)
     bwd_prep_kernel(const __grid_constant__ BwdParams p, const BwdScratch s) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kLanes = bwd_prep_lanes<kHeadDim>(), kRowsPerStep = kBwdPrepThreads / kLanes;
-  // A multiple of kRowsPerStep (rows_pad is one of 64 or 96), so a warp's rows are all in or
-  // all out: the shuffles see every lane.
+  static_assert(kLanes * 8 >= kHeadDim && 32 % kLanes == 0);
+  // The rows of pairs [0, s.prep_pairs) (the main kernel's warps may take the others'): a
+  // multiple of kRowsPerStep, so a warp's rows are all in or all out for the shuffles.
   const int64_t total = s.prep_pairs * (p.heads / p.heads_k) * s.rows_pad;
+  const int lane = threadIdx.x % kLanes;
   // Read-only loads (ld.global.nc), which the compiler may move above the previous row's
   // stores: two rows' loads in flight a thread.
 #pragma unroll 2
   for (int64_t row = int64_t(blockIdx.x) * kRowsPerStep + threadIdx.x / kLanes; row < total;
        row += int64_t(gridDim.x) * kRowsPerStep) {
-    bwd_prep_row<T, kHeadDim, kFixed>(p, s, row, threadIdx.x % kLanes, true);
+    const int64_t bh = row / s.rows_pad;
+    const int r = int(row % s.rows_pad), h = int(bh % p.heads);
+    const SeqInfo seq(p, int(bh / p.heads));
+    const bool live = r < seq.seqlen_q(p);
+    float acc = 0.f, do2 = 0.f;
+    if (live && lane * 8 < p.head_dim) {
+      const uint4 dov = __ldg(reinterpret_cast<const uint4*>(
+          static_cast<const T*>(p.dout) + seq.do_offset(p, h) + r * p.do_strides.row + lane * 8));
+      const uint4 ov = __ldg(reinterpret_cast<const uint4*>(
+          static_cast<const T*>(p.o) + seq.o_offset(p, h) + r * p.o_strides.row + lane * 8));
+      const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 x = bwd_to_float2<T>(dw[w]), y = bwd_to_float2<T>(ow[w]);
+        acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+        if constexpr (kFixed) do2 = fmaf(x.x, x.x, fmaf(x.y, x.y, do2));
+      }
+    }
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+      acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+      if constexpr (kFixed) do2 += __shfl_xor_sync(0xffffffffu, do2, offset);
+    }
+    if (lane == 0) {
+      s.dsum[row] = acc;
+      // lse is +inf for a row that saw no key: P = 0 there as past the sequence.
+      s.lse2[row] = live ? p.lse[seq.lse_offset(p, h) + r] * float(M_LOG2E) : INFINITY;
+      if constexpr (kFixed) {
+        const int head_k = h / (p.heads / p.heads_k);
+        s.dq_scale[row] =
+            dq_fixed_scale(do2, s.kv_bound + 2 * (int64_t(seq.batch) * p.heads_k + head_k));
+      }
+    }
   }
 #endif
 }

@@ -331,7 +331,9 @@ inline int64_t bwd_zero_counter_bytes(int64_t pairs) { return (pairs * 4 + 15) /
 // pairs of the items of the first kBwdPrepWaves waves and one more, which start before the
 // warps could have read theirs. Persistent default-mode calls only: a CTA an item (192) would
 // stay resident until every chunk is taken, and deterministic mode's row scales come from the
-// preprocess with the K / V bounds' pass before it.
+// preprocess with the K / V bounds' pass before it. Head dims up to 128 only: each warp stages
+// its rows in shared memory (bwd_prep_in_kernel), for which 256's tile leaves no room.
+constexpr bool bwd_prep_in_kernel(int kernel_hdim) { return kernel_hdim <= 128; }
 constexpr int kBwdPrepWaves = 2;
 inline int64_t bwd_prep_pairs(int64_t pairs, int64_t key_tiles, int sms) {
   return std::min(pairs, plan_detail::ceil_div(int64_t(kBwdPrepWaves) * sms, key_tiles) + 1);
@@ -430,7 +432,8 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
     if (plan.zero_chunks > 0) plan.workspace_bytes += bwd_zero_counter_bytes(pairs);
   }
   plan.prep_pairs = pairs;
-  if (plan.zero_chunks > 0 && plan.persistent && !p.deterministic) {
+  if (plan.zero_chunks > 0 && plan.persistent && !p.deterministic &&
+      bwd_prep_in_kernel(kernel_hdim)) {
     plan.prep_pairs = tuning.fa3_bwd_prep_pairs >= 0
                           ? std::min<int64_t>(pairs, tuning.fa3_bwd_prep_pairs)
                           : bwd_prep_pairs(pairs, key_tiles, std::max(p.num_sms, 1));
