@@ -433,7 +433,7 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
   }
   plan.prep_pairs = pairs;
   if (plan.zero_chunks > 0 && plan.persistent && !p.deterministic &&
-      bwd_prep_in_kernel(kernel_hdim)) {
+      bwd_prep_in_kernel(kernel_hdim) && int64_t(p.heads / p.heads_k) * rows_pad < INT_MAX) {
     plan.prep_pairs = tuning.fa3_bwd_prep_pairs >= 0
                           ? std::min<int64_t>(pairs, tuning.fa3_bwd_prep_pairs)
                           : bwd_prep_pairs(pairs, key_tiles, std::max(p.num_sms, 1));
