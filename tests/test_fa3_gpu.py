@@ -504,12 +504,13 @@ def test_backward_zeroed_in_kernel(d, causal, case):
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_backward_prep_in_kernel(d, causal, case):
     """The rows' lse and D computed by the main kernel's zeroing warps for the pairs past the
-    preprocess's (fa3_plan.h: bwd_prep_pairs), through the private fa3_bwd_prep_pairs: 0 (every
-    pair's, the producer waiting for each item's pair) and 1 (the rest of the first), against
-    the preprocess for every pair (a count past them): the reference, and dK / dV bit for bit
+    preprocess's (opt-in, fa3_plan.h: bwd_prep_in_kernel), through the private
+    fa3_bwd_prep_pairs: 0 (every pair's, the producer waiting for each item's pair) and 1 (the
+    rest of the first), against the preprocess for every pair (a count past them, as by
+    default): the reference, and dK / dV bit for bit
     (default mode, no split item: a key tile's sums are one CTA's, in order; only dQ's adds
-    come in any order). Shapes as test_backward_zeroed_in_kernel's; head dim 192 runs a CTA an
-    item, where the preprocess keeps every pair."""
+    come in any order). Shapes as test_backward_zeroed_in_kernel's; at head dim 256 (no room to
+    stage the rows) the preprocess keeps every pair, and 192 runs a CTA an item."""
     dtype = torch.bfloat16
     skip_unless_built(dtype, d)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -325,14 +325,16 @@ inline int bwd_zero_chunks(int64_t pair_bytes, int64_t pairs,
 inline int64_t bwd_zero_counter_bytes(int64_t pairs) { return (pairs * 4 + 15) / 16 * 16; }
 
 // The preprocess's O / dO read (D = rowsum(dO o O); 128 MB at 16k tokens x hidden 2048, ~55 us
-// on an H100) moved under the main kernel too: its zeroing warps compute the rows' lse and D
-// with each chunk of a pair past prep_pairs (fa3_bwd_epilogue.h: prep_chunks), and the producer
-// waits for the pair's chunks before it loads an item's first lse / D. The preprocess keeps the
-// pairs of the items of the first kBwdPrepWaves waves and one more, which start before the
-// warps could have read theirs. Persistent default-mode calls only: a CTA an item (192) would
-// stay resident until every chunk is taken, and deterministic mode's row scales come from the
-// preprocess with the K / V bounds' pass before it. Head dims up to 128 only: each warp stages
-// its rows in shared memory (bwd_prep_in_kernel), for which 256's tile leaves no room.
+// on an H100) under the main kernel too, opt-in (Tuning::fa3_bwd_prep_pairs; its staged form
+// below is not yet measured on a GPU, docs/fa3_decisions.md): the zeroing warps compute the rows'
+// lse and D with each chunk of a pair past prep_pairs (fa3_bwd_epilogue.h: prep_chunks), each
+// warp staging its chunk's dO and O rows in shared memory by bulk copies while its zeroes go
+// out, and the producer waits for an item's pair before its first lse / D copy.
+// bwd_prep_pairs is the count to try: the pairs of the first kBwdPrepWaves waves' items and one
+// more, which start before the warps could have read theirs. Persistent default-mode calls
+// only: a CTA an item (192) would stay resident until every chunk is taken, and deterministic
+// mode's row scales come from the preprocess with the K / V bounds' pass before it. Head dims
+// up to 128 (bwd_prep_in_kernel): 256's tile leaves no room for the staging.
 constexpr bool bwd_prep_in_kernel(int kernel_hdim) { return kernel_hdim <= 128; }
 constexpr int kBwdPrepWaves = 2;
 inline int64_t bwd_prep_pairs(int64_t pairs, int64_t key_tiles, int sms) {
@@ -432,11 +434,10 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
     if (plan.zero_chunks > 0) plan.workspace_bytes += bwd_zero_counter_bytes(pairs);
   }
   plan.prep_pairs = pairs;
-  if (plan.zero_chunks > 0 && plan.persistent && !p.deterministic &&
-      bwd_prep_in_kernel(kernel_hdim) && int64_t(p.heads / p.heads_k) * rows_pad < INT_MAX) {
-    plan.prep_pairs = tuning.fa3_bwd_prep_pairs >= 0
-                          ? std::min<int64_t>(pairs, tuning.fa3_bwd_prep_pairs)
-                          : bwd_prep_pairs(pairs, key_tiles, std::max(p.num_sms, 1));
+  if (tuning.fa3_bwd_prep_pairs >= 0 && plan.zero_chunks > 0 && plan.persistent &&
+      !p.deterministic && bwd_prep_in_kernel(kernel_hdim) &&
+      int64_t(p.heads / p.heads_k) * rows_pad < INT_MAX) {
+    plan.prep_pairs = std::min<int64_t>(pairs, tuning.fa3_bwd_prep_pairs);
   }
   // Causal items differ in length (key tile n walks the query tiles from about n kBlockN /
   // kBlockM on), longest first within a pair. Taken pair by pair (the CTAs running at once
