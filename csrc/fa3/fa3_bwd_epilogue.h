@@ -201,7 +201,9 @@ struct BwdEpilogue {
     int live = 0;
     for (int j = lane; j < copies; j += 32) live += pair_row(p, s, pair, from + j / 2).r < seqlen;
     #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) live += __shfl_xor_sync(0xffffffffu, live, offset);
+    for (int offset = 16; offset > 0; offset /= 2) {
+      live += __shfl_xor_sync(0xffffffffu, live, offset);
+    }
     if (lane == 0) bulk_expect(&shared.prep_full[warp], uint32_t(live) * row_bytes);
     __syncwarp();
     for (int j = lane; j < copies; j += 32) {
@@ -234,17 +236,12 @@ struct BwdEpilogue {
       const int k = i - from;
       const PairRow at = pair_row(p, s, pair, i);
       const bool store = i < to, live = store && at.r < seqlen;
-      float acc = 0.f;
+      float acc = 0.f, unused = 0.f;
       if (live && sub * 8 < p.head_dim) {
-        const char* const slot = shared.prep_rows[warp] + 2 * k * kHeadDim * int(sizeof(T));
-        const uint4 dov = *reinterpret_cast<const uint4*>(slot + sub * 16);
-        const uint4 ov = *reinterpret_cast<const uint4*>(slot + kHeadDim * sizeof(T) + sub * 16);
-        const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
-        #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const float2 x = bwd_to_float2<T>(dw[w]), y = bwd_to_float2<T>(ow[w]);
-          acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
-        }
+        const char* const dout = shared.prep_rows[warp] + 2 * k * kHeadDim * int(sizeof(T));
+        const char* const o = dout + kHeadDim * sizeof(T);
+        bwd_row_dot<T, false>(*reinterpret_cast<const uint4*>(dout + sub * 16),
+                              *reinterpret_cast<const uint4*>(o + sub * 16), acc, unused);
       }
       #pragma unroll
       for (int offset = kLanes / 2; offset > 0; offset /= 2) {

@@ -104,6 +104,21 @@ __device__ __forceinline__ float2 bwd_to_float2(uint32_t packed) {
   }
 }
 
+// A lane's share of a row's D: acc plus the dot product of its 8 values of dO and O (16 bytes
+// each), in pairs; kFixed: do2 plus dO's squared norm too. One order for the preprocess and the
+// main kernel's rows (BwdEpilogue::prep_rows), so that their D agree bit for bit.
+template <typename T, bool kFixed>
+__device__ __forceinline__ void bwd_row_dot(const uint4& dov, const uint4& ov, float& acc,
+                                            float& do2) {
+  const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float2 x = bwd_to_float2<T>(dw[w]), y = bwd_to_float2<T>(ow[w]);
+    acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+    if constexpr (kFixed) do2 = fmaf(x.x, x.x, fmaf(x.y, x.y, do2));
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void store1(T* ptr, float a) {
   if constexpr (std::is_same_v<T, __half>) {
@@ -215,13 +230,7 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
           static_cast<const T*>(p.dout) + seq.do_offset(p, h) + r * p.do_strides.row + lane * 8));
       const uint4 ov = __ldg(reinterpret_cast<const uint4*>(
           static_cast<const T*>(p.o) + seq.o_offset(p, h) + r * p.o_strides.row + lane * 8));
-      const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float2 x = bwd_to_float2<T>(dw[w]), y = bwd_to_float2<T>(ow[w]);
-        acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
-        if constexpr (kFixed) do2 = fmaf(x.x, x.x, fmaf(x.y, x.y, do2));
-      }
+      bwd_row_dot<T, kFixed>(dov, ov, acc, do2);
     }
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset /= 2) {
