@@ -148,8 +148,8 @@ struct BwdEpilogue {
       const unsigned pair = c / chunks, part = c % chunks;
       const bool prep = bwd_prep_in_kernel(kHeadDim) && pair >= s.prep_pairs;
       // The chunk's rows of the pair, Tr::kPrepRows at a time.
-      int rows = int(part * pair_rows / chunks);
-      const int end = int((part + 1) * pair_rows / chunks);
+      int64_t rows = part * pair_rows / chunks;
+      const int64_t end = (part + 1) * pair_rows / chunks;
       if (prep) stage_rows(p, s, shared, warp, pair, rows, min(end, rows + Tr::kPrepRows));
       float4* const chunk = dq + int64_t(pair) * pair_vecs;
       const int64_t vec_end = (part + 1) * pair_vecs / chunks;
@@ -159,7 +159,7 @@ struct BwdEpilogue {
       }
       #pragma unroll 1
       while (prep && rows < end) {
-        const int next = min(end, rows + Tr::kPrepRows);
+        const int64_t next = min(end, rows + Tr::kPrepRows);
         bulk_wait(&shared.prep_full[warp], phase);
         phase ^= 1;
         prep_rows(p, s, shared, warp, pair, rows, next);
@@ -182,9 +182,9 @@ struct BwdEpilogue {
     int head, r;
   };
   static __device__ __forceinline__ PairRow pair_row(const BwdParams& p, const BwdScratch& s,
-                                                     unsigned pair, int i) {
-    const int rows_pad = int(s.rows_pad), g = i / rows_pad;
-    return {int(pair % p.heads_k) * (p.heads / p.heads_k) + g, i - g * rows_pad};
+                                                     unsigned pair, int64_t i) {
+    const int64_t g = i / s.rows_pad;
+    return {int(pair % p.heads_k) * (p.heads / p.heads_k) + int(g), int(i - g * s.rows_pad)};
   }
 
   // The dO and O rows [from, to) of pair `pair` that the sequence has (past it: none) into
@@ -192,9 +192,9 @@ struct BwdEpilogue {
   // (prep_full), the bytes counted first.
   static __device__ __forceinline__ void stage_rows(const BwdParams& p, const BwdScratch& s,
                                                     typename Tr::SharedStorage& shared, int warp,
-                                                    unsigned pair, int from, int to) {
+                                                    unsigned pair, int64_t from, int64_t to) {
     using T = typename Tr::Raw;
-    const int lane = threadIdx.x % 32, copies = 2 * (to - from);
+    const int lane = threadIdx.x % 32, copies = 2 * int(to - from);
     const SeqInfo seq(p, int(pair / p.heads_k));
     const int seqlen = seq.seqlen_q(p);
     const uint32_t row_bytes = uint32_t(p.head_dim * sizeof(T));
@@ -223,7 +223,7 @@ struct BwdEpilogue {
   // preprocess (bwd_prep_kernel) sums them, bwd_prep_lanes lanes a row.
   static __device__ __forceinline__ void prep_rows(const BwdParams& p, const BwdScratch& s,
                                                    typename Tr::SharedStorage& shared, int warp,
-                                                   unsigned pair, int from, int to) {
+                                                   unsigned pair, int64_t from, int64_t to) {
     using T = typename Tr::Raw;
     constexpr int kLanes = bwd_prep_lanes<kHeadDim>(), kRowsPerStep = 32 / kLanes;
     const int lane = threadIdx.x % 32, sub = lane % kLanes;
@@ -231,9 +231,9 @@ struct BwdEpilogue {
     const int seqlen = seq.seqlen_q(p);
     const int64_t row0 = int64_t(pair) * (p.heads / p.heads_k) * s.rows_pad;
     #pragma unroll 1
-    for (int base = from; base < to; base += kRowsPerStep) {
-      const int i = base + lane / kLanes;
-      const int k = i - from;
+    for (int64_t base = from; base < to; base += kRowsPerStep) {
+      const int64_t i = base + lane / kLanes;
+      const int k = int(i - from);
       const PairRow at = pair_row(p, s, pair, i);
       const bool store = i < to, live = store && at.r < seqlen;
       float acc = 0.f, unused = 0.f;

@@ -435,8 +435,7 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
   }
   plan.prep_pairs = pairs;
   if (tuning.fa3_bwd_prep_pairs >= 0 && plan.zero_chunks > 0 && plan.persistent &&
-      !p.deterministic && bwd_prep_in_kernel(kernel_hdim) &&
-      int64_t(p.heads / p.heads_k) * rows_pad < INT_MAX) {
+      !p.deterministic && bwd_prep_in_kernel(kernel_hdim)) {
     plan.prep_pairs = std::min<int64_t>(pairs, tuning.fa3_bwd_prep_pairs);
   }
   // Causal items differ in length (key tile n walks the query tiles from about n kBlockN /
