@@ -177,10 +177,15 @@ struct BwdEpilogue {
     }
   }
 
-  // Row i of pair `pair`'s rows (its heads' s.rows_pad rows each): its head and row.
+  // Row i of pair `pair`'s rows (its heads' s.rows_pad rows each): its head and row; next(k):
+  // row i + k, for k below rows_pad (a multiple of 64 > kPrepRows + 4, so one wrap at most).
   struct PairRow {
     int head, r;
+    __device__ PairRow next(const BwdScratch& s, int k) const {
+      return r + k < s.rows_pad ? PairRow{head, r + k} : PairRow{head + 1, r + k - int(s.rows_pad)};
+    }
   };
+  static_assert(Tr::kPrepRows + 4 <= 64);
   static __device__ __forceinline__ PairRow pair_row(const BwdParams& p, const BwdScratch& s,
                                                      unsigned pair, int64_t i) {
     const int64_t g = i / s.rows_pad;
@@ -198,8 +203,9 @@ struct BwdEpilogue {
     const SeqInfo seq(p, int(pair / p.heads_k));
     const int seqlen = seq.seqlen_q(p);
     const uint32_t row_bytes = uint32_t(p.head_dim * sizeof(T));
+    const PairRow first = pair_row(p, s, pair, from);
     int live = 0;
-    for (int j = lane; j < copies; j += 32) live += pair_row(p, s, pair, from + j / 2).r < seqlen;
+    for (int j = lane; j < copies; j += 32) live += first.next(s, j / 2).r < seqlen;
     #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
       live += __shfl_xor_sync(0xffffffffu, live, offset);
@@ -207,7 +213,7 @@ struct BwdEpilogue {
     if (lane == 0) bulk_expect(&shared.prep_full[warp], uint32_t(live) * row_bytes);
     __syncwarp();
     for (int j = lane; j < copies; j += 32) {
-      const PairRow at = pair_row(p, s, pair, from + j / 2);
+      const PairRow at = first.next(s, j / 2);
       if (at.r >= seqlen) continue;
       const T* const src = j % 2 == 0 ? static_cast<const T*>(p.dout) + seq.do_offset(p, at.head) +
                                             int64_t(at.r) * p.do_strides.row
@@ -230,11 +236,12 @@ struct BwdEpilogue {
     const SeqInfo seq(p, int(pair / p.heads_k));
     const int seqlen = seq.seqlen_q(p);
     const int64_t row0 = int64_t(pair) * (p.heads / p.heads_k) * s.rows_pad;
+    const PairRow first = pair_row(p, s, pair, from);
     #pragma unroll 1
     for (int64_t base = from; base < to; base += kRowsPerStep) {
       const int64_t i = base + lane / kLanes;
       const int k = int(i - from);
-      const PairRow at = pair_row(p, s, pair, i);
+      const PairRow at = first.next(s, k);
       const bool store = i < to, live = store && at.r < seqlen;
       float acc = 0.f, unused = 0.f;
       if (live && sub * 8 < p.head_dim) {
