@@ -60,7 +60,7 @@ struct BwdEpilogue {
       if (w.steps.count() == 0) continue;
       if (s.zero_chunks > 0 && !zeroed) {  // the pair's accumulator zeroed, before the adds
         int all = 0;
-        if (leader) all = wait_chunks(p, s, w.it.batch * p.heads_k + w.it.head_k);
+        if (leader) all = wait_chunks(p, s, w.it.pair(p));
         zeroed = __shfl_sync(0xffffffffu, all, 0) != 0;
       }
       // The scratch row of the group's first head, then of each next one.
@@ -147,10 +147,11 @@ struct BwdEpilogue {
       if (c >= total) break;
       const unsigned pair = c / chunks, part = c % chunks;
       const bool prep = bwd_prep_in_kernel(kHeadDim) && pair >= s.prep_pairs;
-      // The chunk's rows of the pair, Tr::kPrepRows at a time.
+      // The chunk's rows of the pair, Tr::kPrepRows at a time: [rows, next) staged.
       int64_t rows = part * pair_rows / chunks;
       const int64_t end = (part + 1) * pair_rows / chunks;
-      if (prep) stage_rows(p, s, shared, warp, pair, rows, min(end, rows + Tr::kPrepRows));
+      int64_t next = min(end, rows + Tr::kPrepRows);
+      if (prep) stage_rows(p, s, shared, warp, pair, rows, next);
       float4* const chunk = dq + int64_t(pair) * pair_vecs;
       const int64_t vec_end = (part + 1) * pair_vecs / chunks;
       #pragma unroll 4
@@ -159,14 +160,14 @@ struct BwdEpilogue {
       }
       #pragma unroll 1
       while (prep && rows < end) {
-        const int64_t next = min(end, rows + Tr::kPrepRows);
         bulk_wait(&shared.prep_full[warp], phase);
         phase ^= 1;
         prep_rows(p, s, shared, warp, pair, rows, next);
         fence_proxy_async();  // the reads before the next rows' copies into the buffer
         __syncwarp();
         rows = next;
-        if (rows < end) stage_rows(p, s, shared, warp, pair, rows, min(end, rows + Tr::kPrepRows));
+        next = min(end, rows + Tr::kPrepRows);
+        if (rows < end) stage_rows(p, s, shared, warp, pair, rows, next);
       }
       __threadfence();
       __syncwarp();

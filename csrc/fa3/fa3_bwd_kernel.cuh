@@ -114,10 +114,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       } else {
         // Past the preprocess's pairs, the rows' lse2 / dsum are the zeroing warps' (BwdPlan::
         // prep_pairs): written before the item's first bulk copies of them.
-        const int pair = w.it.batch * p.heads_k + w.it.head_k;
-        if (!prepared && pair >= s.prep_pairs) {
-          prepared = BwdEpilogue<Tr>::wait_chunks(p, s, pair);
-        }
+        const int pair = w.it.pair(p);
+        if (!prepared && pair >= s.prep_pairs) prepared = BwdEpilogue<Tr>::wait_chunks(p, s, pair);
         BwdMainloop<Tr>::template load<kFixed>(p, tma, s, shared, Items::slot(published),
                                                pipe_q, pipe_do, state_q, state_do, w.seq,
                                                w.steps, w.it.n_block, w.it.head_k, w.it.batch);

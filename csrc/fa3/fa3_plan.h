@@ -337,8 +337,11 @@ inline int64_t bwd_zero_counter_bytes(int64_t pairs) { return (pairs * 4 + 15) /
 // up to 128 (bwd_prep_in_kernel): 256's tile leaves no room for the staging.
 constexpr bool bwd_prep_in_kernel(int kernel_hdim) { return kernel_hdim <= 128; }
 constexpr int kBwdPrepWaves = 2;
-inline int64_t bwd_prep_pairs(int64_t pairs, int64_t key_tiles, int sms) {
-  return std::min(pairs, plan_detail::ceil_div(int64_t(kBwdPrepWaves) * sms, key_tiles) + 1);
+inline int64_t bwd_prep_pairs(const BwdParams& p, int kernel_hdim) {
+  const int64_t key_tiles = plan_detail::ceil_div(p.seqlen_k, bwd_block_n(kernel_hdim));
+  return std::min(int64_t(p.heads_k) * p.batch,
+                  plan_detail::ceil_div(int64_t(kBwdPrepWaves) * std::max(p.num_sms, 1),
+                                        std::max<int64_t>(key_tiles, 1)) + 1);
 }
 
 // Deterministic mode's bounds of |K| and of |V|'s rows (fa3_bwd_prep.cuh), a pair of floats

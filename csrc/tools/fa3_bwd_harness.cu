@@ -233,11 +233,9 @@ int main(int argc, char** argv) {
     if (getenv("FA3_SPLIT")) tuning.fa3_bwd_split = atoi(getenv("FA3_SPLIT"));
     if (getenv("FA3_ZERO")) tuning.fa3_bwd_zero = atoi(getenv("FA3_ZERO"));
     if (const char* prep = getenv("FA3_PREP")) {  // a count, or "auto": bwd_prep_pairs's
-      const int key_tiles = (s.sk + flash::fa3::bwd_block_n(kD) - 1) / flash::fa3::bwd_block_n(kD);
-      tuning.fa3_bwd_prep_pairs =
-          strcmp(prep, "auto") == 0
-              ? int(flash::fa3::bwd_prep_pairs(int64_t(s.b) * s.hk, key_tiles, p.num_sms))
-              : atoi(prep);
+      tuning.fa3_bwd_prep_pairs = strcmp(prep, "auto") == 0
+                                      ? int(flash::fa3::bwd_prep_pairs(p, kD))
+                                      : atoi(prep);
     }
     const flash::fa3::BwdPlan plan = flash::fa3::plan_bwd(p, kD, tuning);
     if (plan.split_parts > 1) {

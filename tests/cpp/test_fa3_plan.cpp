@@ -198,8 +198,9 @@ int main() {
     CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), true), 128, prep0).prep_pairs == 256);
     CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 192, prep0).prep_pairs == 256);
     CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 256, prep0).prep_pairs == 256);
-    CHECK(bwd_prep_pairs(256, 8, 132) == 34 && bwd_prep_pairs(16, 128, 132) == 4 &&
-          bwd_prep_pairs(4, 12, 132) == 4);
+    CHECK(bwd_prep_pairs(bwd(call(16, 1024, 1024, 16, 16), false), 128) == 34 &&
+          bwd_prep_pairs(bwd(call(1, 16384, 16384, 16, 16), false), 128) == 4 &&
+          bwd_prep_pairs(bwd(call(2, 1000, 1500, 6, 2), false), 128) == 4);
     CHECK(plain.items == 48 && plain.split_parts == 1 && plain.split_items == 0);
     CHECK(plain.block_m == 64);
     // Plain calls at head dim 64: 96-row steps, scratch rows padded to 1056.
