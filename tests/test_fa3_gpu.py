@@ -472,20 +472,6 @@ def test_deterministic_backward_uneven_rows(d):
     assert worst <= 1.0, f"dq: a row's error is {worst:.2f} x (2 x the default mode's + ulp)"
 
 
-def in_kernel_case(d, causal, case, dtype):
-    """Inputs, dout and attention arguments of the tests of the backward's work in its idle
-    warps: a few (KV head, batch) pairs of many chunks (GQA 3, 1500 keys), or more items than
-    SMs over many pairs (1999 keys, 300 rows)."""
-    skip_unless_built(dtype, d)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if case == "few-pairs":
-        b, sq, sk, h, hk = 2, 1000, 1500, 6, 2
-    else:
-        b, sq, sk, h, hk = 2 * sms // (16 * 3) + 1, 300, 1999, 6, 3
-    attn = attn_args(dict(causal=True) if causal else {}, b, h)
-    return qkv(b, sq, sk, h, hk, d, dtype), randn(b, sq, h, d, dtype=dtype), attn
-
-
 @pytest.mark.parametrize("case", ["few-pairs", "more-items-than-sms"])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
@@ -494,37 +480,23 @@ def test_backward_zeroed_in_kernel(d, causal, case):
     waiting for its chunks (fa3_plan.h: bwd_zero_chunks), against the memset (the private
     fa3_bwd_zero=0): deterministic mode, whose integer adds give the same bits in any order,
     so the two must agree bit for bit, over memory poisoned before each pass; the in-kernel
-    run against the reference too (in_kernel_case's shapes)."""
+    run against the reference too. A few (KV head, batch) pairs of many chunks (GQA 3, 1500
+    keys), or more items than SMs over many pairs (1999 keys, 300 rows)."""
     dtype = torch.bfloat16
-    inputs, dout, attn = in_kernel_case(d, causal, case, dtype)
+    skip_unless_built(dtype, d)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if case == "few-pairs":
+        b, sq, sk, h, hk = 2, 1000, 1500, 6, 2
+    else:
+        b, sq, sk, h, hk = 2 * sms // (16 * 3) + 1, 300, 1999, 6, 3
+    inputs = qkv(b, sq, sk, h, hk, d, dtype)
+    dout = randn(b, sq, h, d, dtype=dtype)
+    attn = attn_args(dict(causal=True) if causal else {}, b, h)
     det = dict(attn, deterministic=True)
     in_kernel = check(inputs, "qkv", dtype, fa(det), attn, dout=dout)
     memset = run_ours(inputs, fa(det, tuning=dict(fa3_bwd_zero=0)), dout)
     for name, g, g0 in zip(("dq", "dk", "dv"), in_kernel.grads, memset.grads):
         assert torch.equal(g, g0), f"{name}: zeroed in the kernel and by a memset differ"
-
-
-@pytest.mark.parametrize("case", ["few-pairs", "more-items-than-sms"])
-@pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("d", [64, 96, 128])
-def test_backward_prep_in_kernel(d, causal, case):
-    """The rows' lse and D computed by the main kernel's zeroing warps for the pairs past the
-    preprocess's (opt-in, fa3_plan.h: bwd_prep_in_kernel), through the private
-    fa3_bwd_prep_pairs: 0 (every pair's, the producer waiting for each item's pair) and 1 (the
-    rest of the first), against the preprocess for every pair (a count past them, as by
-    default): the reference, and dK / dV bit for bit
-    (default mode, no split item: a key tile's sums are one CTA's, in order; only dQ's adds
-    come in any order), on in_kernel_case's shapes. Head dims up to 128: at 256 the tile leaves
-    no room to stage the rows, and 192 runs a CTA an item."""
-    dtype = torch.bfloat16
-    inputs, dout, attn = in_kernel_case(d, causal, case, dtype)
-    no_split = dict(fa3_bwd_split=0)
-    prep = run_ours(inputs, fa(attn, tuning=dict(no_split, fa3_bwd_prep_pairs=1 << 30)), dout)
-    for pairs in (0, 1):
-        tuning = dict(no_split, fa3_bwd_prep_pairs=pairs)
-        ours = check(inputs, "qkv", dtype, fa(attn, tuning=tuning), attn, dout=dout)
-        for name, g, g0 in zip(("dk", "dv"), ours.grads[1:], prep.grads[1:]):
-            assert torch.equal(g, g0), f"{name}: lse / D from the kernel and the preprocess differ"
 
 
 # ---- 5. layouts and grids ---------------------------------------------------------------------

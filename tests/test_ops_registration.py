@@ -58,7 +58,7 @@ def test_signature_is_2x_plus_backend(name, positional):
 @pytest.mark.parametrize("name,positional,keyword_only", [
     ("flash_attn_varlen_func", ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
                                 "max_seqlen_k"] + _COMMON + [("block_table", None)],
-     ["seqused_q", "seqused_k", "backend", "_tuning"]),  # _tuning: private, as in flash_attn_func
+     ["seqused_q", "seqused_k", "backend"]),
     ("flash_attn_varlen_qkvpacked_func", ["qkv", "cu_seqlens", "max_seqlen"] + _COMMON,
      ["backend"]),
     ("flash_attn_varlen_kvpacked_func", ["q", "kv", "cu_seqlens_q", "cu_seqlens_k",

@@ -179,31 +179,6 @@ def test_deterministic_backward(family, causal):
             assert torch.equal(g, g0), f"d{name} differs bitwise between deterministic runs"
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_fa3_backward_prep_in_kernel(causal):
-    """fa3: every row's lse and D by the main kernel's zeroing warps (the private
-    fa3_bwd_prep_pairs=0; fa3_plan.h: bwd_prep_pairs) on a ragged batch with an empty sequence
-    and seqused rows: the rule, and dK / dV bit for bit against the preprocess's (default mode,
-    no split: only dQ's adds come in any order)."""
-    dtype, d = torch.bfloat16, 128
-    skip_unless_varlen("fa3", dtype, d, ("fwd", "bwd"))
-    lengths_q, lengths_k = RAGGED
-    used_q = torch.tensor([0, 1, 100, 128, 129, 2000], dtype=torch.int32, device=DEVICE)
-    inputs = ragged(lengths_q, lengths_k, 6, 2, d, dtype)
-    cq, ck = cu(lengths_q), cu(lengths_k)
-    dout = randn(sum(lengths_q), 6, d, dtype=dtype)
-    attn = dict(causal=causal, seqused_q=used_q)
-    args = (inputs, cq, ck, max(lengths_q), max(lengths_k), dout, "fa3")
-    ours = varlen_result(*args, **attn, _tuning=dict(fa3_bwd_split=0, fa3_bwd_prep_pairs=0))
-    prep = varlen_result(*args, **attn, _tuning=dict(fa3_bwd_split=0, fa3_bwd_prep_pairs=1 << 30))
-    truth = reference_result(inputs, cq, ck, dout, True, **attn)
-    lowp = reference_result(inputs, cq, ck, dout, False, **attn)
-    for name, g, g_lowp, g_truth in zip("qkv", ours.grads, lowp.grads, truth.grads):
-        assert_rule(f"d{name}", g, g_lowp, g_truth, 3, dtype)
-    for name, g, g0 in zip("kv", ours.grads[1:], prep.grads[1:]):
-        assert torch.equal(g, g0), f"d{name}: lse / D from the kernel and the preprocess differ"
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_seqused_and_nan_past_it(family):
     dtype, d = torch.float16, 128

@@ -351,7 +351,6 @@ flash::Tuning parse_tuning(const std::string& text) {
       {"fa1_q_tiles", &flash::Tuning::fa1_q_tiles},   {"fa2_decode", &flash::Tuning::fa2_decode},
       {"fa3_bwd_split", &flash::Tuning::fa3_bwd_split},
       {"fa3_bwd_zero", &flash::Tuning::fa3_bwd_zero},
-      {"fa3_bwd_prep_pairs", &flash::Tuning::fa3_bwd_prep_pairs},
   };
   size_t at = 0;
   while (at < text.size()) {

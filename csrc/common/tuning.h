@@ -19,9 +19,6 @@ struct Tuning {
   int fa3_bwd_split = -1;  // 0: no split of full attention's last wave, k > 0: k parts an item
   int fa3_bwd_zero = -1;   // 0: the dQ accumulator zeroed by a memset, not the main kernel;
                            // k > 0: by the main kernel in chunks of k KB
-  int fa3_bwd_prep_pairs = -1;  // n >= 0: the preprocess takes the first n (KV head, batch)
-                                // pairs' lse / D, the main kernel the rest's (where it can;
-                                // fa3_plan.h: bwd_prep_pairs); -1: the preprocess all
   // fa2 backward (fa2/fa2.h, plan_bwd)
   int fa2_dq_bulk = -1;   // 0: per-fragment dQ reductions on sm90 too (sm80's path)
   int fa2_dq_defer = -1;  // 0: a dQ tile's reductions after its GEMM (the deterministic path)

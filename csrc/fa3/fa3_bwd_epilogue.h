@@ -49,7 +49,7 @@ struct BwdEpilogue {
     const bool leader = threadIdx.x == 32;
     for (int h = 0; h < Tr::kdQHandoffs; ++h) NamedBarrier::arrive(kdQBarrierThreads, kEmpty + h);
     int b = 0;
-    bool zeroed = false;  // the whole accumulator seen zeroed (wait_chunks): no more waits
+    bool zeroed = false;  // the whole accumulator seen zeroed (wait_zeroed): no more waits
     #pragma unroll 1
     for (int taken = 0;; ++taken) {
       using Items = BwdItems<Tr, kPersistent>;
@@ -60,7 +60,7 @@ struct BwdEpilogue {
       if (w.steps.count() == 0) continue;
       if (s.zero_chunks > 0 && !zeroed) {  // the pair's accumulator zeroed, before the adds
         int all = 0;
-        if (leader) all = wait_chunks(p, s, w.it.pair(p));
+        if (leader) all = wait_zeroed(p, s, w.it.batch * p.heads_k + w.it.head_k);
         zeroed = __shfl_sync(0xffffffffu, all, 0) != 0;
       }
       // The scratch row of the group's first head, then of each next one.
@@ -103,11 +103,10 @@ struct BwdEpilogue {
     if (leader) bulk_wait_complete();  // done before the CTA's shared memory goes
   }
 
-  // The wait for pair `pair`'s chunks (prep_chunks: its accumulator zeroed, and its rows'
-  // lse2 / dsum past prep_pairs), then a proxy fence: those stores (generic proxy) before the
-  // caller's bulk adds (the dQ writer) or bulk copies (the producer). Returns whether every
-  // pair's chunks were done, after which the caller waits no more (one fence covers them all).
-  static __device__ __forceinline__ bool wait_chunks(const BwdParams& p, const BwdScratch& s,
+  // The dQ writer's wait for pair `pair`'s accumulator (zero_dq), then a proxy fence: the
+  // zeroes (generic proxy) before its bulk adds. Returns whether every pair's was zeroed, after
+  // which the writer waits no more (one fence covers them all).
+  static __device__ __forceinline__ bool wait_zeroed(const BwdParams& p, const BwdScratch& s,
                                                      int pair) {
     const bool all = ld_acquire_gpu(s.zero_all) >= zero_total(p, s);
     if (!all) {
@@ -125,20 +124,14 @@ struct BwdEpilogue {
   // The producer warpgroup's warps 2-3, otherwise idle, with BwdPlan::zero_chunks: the dQ
   // accumulator zeroed chunk by chunk, each warp taking chunks from s.zero_next in order (the
   // first pairs' first: the pairs of the first items) and counting each done in its pair's
-  // s.zero_done and in s.zero_all (the stores, a fence, release adds; write_dq and, past
-  // prep_pairs, the producer acquire the counts: wait_chunks). In a pair past s.prep_pairs a
-  // chunk also brings its share of the pair's rows' lse2 / dsum (prep_rows; BwdPlan::
-  // prep_pairs), whose dO and O rows are in flight while the zeroes go out. Every CTA's warps
-  // take chunks until none is left, so the zeroing finishes whichever CTAs are resident: a
-  // waiter never waits on a CTA that has not started.
-  static __device__ __forceinline__ void prep_chunks(const BwdParams& p, const BwdScratch& s,
-                                                     typename Tr::SharedStorage& shared) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 - 2;
+  // s.zero_done and in s.zero_all (the stores, a fence, release adds; write_dq acquires the
+  // counts: wait_zeroed). Every CTA's warps take chunks until none is left, so the zeroing
+  // finishes whichever CTAs are resident: a writer never waits on a CTA that has not started.
+  static __device__ __forceinline__ void zero_dq(const BwdParams& p, const BwdScratch& s) {
+    const int lane = threadIdx.x % 32;
     const unsigned chunks = unsigned(s.zero_chunks), total = zero_total(p, s);
-    const int64_t pair_rows = int64_t(p.heads / p.heads_k) * s.rows_pad;
-    const int64_t pair_vecs = pair_rows * (kHeadDim / 4);
+    const int64_t pair_vecs = int64_t(p.heads / p.heads_k) * s.rows_pad * (kHeadDim / 4);
     float4* const dq = reinterpret_cast<float4*>(s.dq);
-    uint32_t phase = 0;
     #pragma unroll 1
     for (;;) {
       unsigned c = 0;
@@ -146,119 +139,17 @@ struct BwdEpilogue {
       c = __shfl_sync(0xffffffffu, c, 0);
       if (c >= total) break;
       const unsigned pair = c / chunks, part = c % chunks;
-      const bool prep = bwd_prep_in_kernel(kHeadDim) && pair >= s.prep_pairs;
-      // The chunk's rows of the pair, Tr::kPrepRows at a time: [rows, next) staged.
-      int64_t rows = part * pair_rows / chunks;
-      const int64_t end = (part + 1) * pair_rows / chunks;
-      int64_t next = min(end, rows + Tr::kPrepRows);
-      if (prep) stage_rows(p, s, shared, warp, pair, rows, next);
       float4* const chunk = dq + int64_t(pair) * pair_vecs;
-      const int64_t vec_end = (part + 1) * pair_vecs / chunks;
+      const int64_t end = (part + 1) * pair_vecs / chunks;
       #pragma unroll 4
-      for (int64_t i = part * pair_vecs / chunks + lane; i < vec_end; i += 32) {
+      for (int64_t i = part * pair_vecs / chunks + lane; i < end; i += 32) {
         chunk[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-      #pragma unroll 1
-      while (prep && rows < end) {
-        bulk_wait(&shared.prep_full[warp], phase);
-        phase ^= 1;
-        prep_rows(p, s, shared, warp, pair, rows, next);
-        fence_proxy_async();  // the reads before the next rows' copies into the buffer
-        __syncwarp();
-        rows = next;
-        next = min(end, rows + Tr::kPrepRows);
-        if (rows < end) stage_rows(p, s, shared, warp, pair, rows, next);
       }
       __threadfence();
       __syncwarp();
       if (lane == 0) {
         red_release_gpu_add(s.zero_done + pair, 1u);
         red_release_gpu_add(s.zero_all, 1u);
-      }
-    }
-  }
-
-  // Row i of pair `pair`'s rows (its heads' s.rows_pad rows each): its head and row; next(k):
-  // row i + k, for k below rows_pad (a multiple of 64 > kPrepRows + 4, so one wrap at most).
-  struct PairRow {
-    int head, r;
-    __device__ PairRow next(const BwdScratch& s, int k) const {
-      return r + k < s.rows_pad ? PairRow{head, r + k} : PairRow{head + 1, r + k - int(s.rows_pad)};
-    }
-  };
-  static_assert(Tr::kPrepRows + 4 <= 64);
-  static __device__ __forceinline__ PairRow pair_row(const BwdParams& p, const BwdScratch& s,
-                                                     unsigned pair, int64_t i) {
-    const int64_t g = i / s.rows_pad;
-    return {int(pair % p.heads_k) * (p.heads / p.heads_k) + int(g), int(i - g * s.rows_pad)};
-  }
-
-  // The dO and O rows [from, to) of pair `pair` that the sequence has (past it: none) into
-  // warp `warp`'s buffer, row k's at slots 2 k and 2 k + 1, by bulk copies on its barrier
-  // (prep_full), the bytes counted first.
-  static __device__ __forceinline__ void stage_rows(const BwdParams& p, const BwdScratch& s,
-                                                    typename Tr::SharedStorage& shared, int warp,
-                                                    unsigned pair, int64_t from, int64_t to) {
-    using T = typename Tr::Raw;
-    const int lane = threadIdx.x % 32, copies = 2 * int(to - from);
-    const SeqInfo seq(p, int(pair / p.heads_k));
-    const int seqlen = seq.seqlen_q(p);
-    const uint32_t row_bytes = uint32_t(p.head_dim * sizeof(T));
-    const PairRow first = pair_row(p, s, pair, from);
-    int live = 0;
-    for (int j = lane; j < copies; j += 32) live += first.next(s, j / 2).r < seqlen;
-    #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      live += __shfl_xor_sync(0xffffffffu, live, offset);
-    }
-    if (lane == 0) bulk_expect(&shared.prep_full[warp], uint32_t(live) * row_bytes);
-    __syncwarp();
-    for (int j = lane; j < copies; j += 32) {
-      const PairRow at = first.next(s, j / 2);
-      if (at.r >= seqlen) continue;
-      const T* const src = j % 2 == 0 ? static_cast<const T*>(p.dout) + seq.do_offset(p, at.head) +
-                                            int64_t(at.r) * p.do_strides.row
-                                      : static_cast<const T*>(p.o) + seq.o_offset(p, at.head) +
-                                            int64_t(at.r) * p.o_strides.row;
-      bulk_copy(shared.prep_rows[warp] + j * kHeadDim * int(sizeof(T)), src, row_bytes,
-                &shared.prep_full[warp]);
-    }
-  }
-
-  // The rows [from, to) of pair `pair` from the staged dO and O (stage_rows): D = rowsum(dO o O)
-  // into s.dsum (0 past the sequence) and the lse in base 2 into s.lse2 (+inf past it), as the
-  // preprocess (bwd_prep_kernel) sums them, bwd_prep_lanes lanes a row.
-  static __device__ __forceinline__ void prep_rows(const BwdParams& p, const BwdScratch& s,
-                                                   typename Tr::SharedStorage& shared, int warp,
-                                                   unsigned pair, int64_t from, int64_t to) {
-    using T = typename Tr::Raw;
-    constexpr int kLanes = bwd_prep_lanes<kHeadDim>(), kRowsPerStep = 32 / kLanes;
-    const int lane = threadIdx.x % 32, sub = lane % kLanes;
-    const SeqInfo seq(p, int(pair / p.heads_k));
-    const int seqlen = seq.seqlen_q(p);
-    const int64_t row0 = int64_t(pair) * (p.heads / p.heads_k) * s.rows_pad;
-    const PairRow first = pair_row(p, s, pair, from);
-    #pragma unroll 1
-    for (int64_t base = from; base < to; base += kRowsPerStep) {
-      const int64_t i = base + lane / kLanes;
-      const int k = int(i - from);
-      const PairRow at = first.next(s, k);
-      const bool store = i < to, live = store && at.r < seqlen;
-      float acc = 0.f, unused = 0.f;
-      if (live && sub * 8 < p.head_dim) {
-        const char* const dout = shared.prep_rows[warp] + 2 * k * kHeadDim * int(sizeof(T));
-        const char* const o = dout + kHeadDim * sizeof(T);
-        bwd_row_dot<T, false>(*reinterpret_cast<const uint4*>(dout + sub * 16),
-                              *reinterpret_cast<const uint4*>(o + sub * 16), acc, unused);
-      }
-      #pragma unroll
-      for (int offset = kLanes / 2; offset > 0; offset /= 2) {
-        acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-      }
-      if (sub == 0 && store) {
-        s.dsum[row0 + i] = acc;
-        s.lse2[row0 + i] =
-            live ? p.lse[seq.lse_offset(p, at.head) + at.r] * float(M_LOG2E) : INFINITY;
       }
     }
   }

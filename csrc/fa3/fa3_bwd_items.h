@@ -43,8 +43,6 @@ struct BwdItem {
     head_k = pair % p.heads_k;
     batch = pair / p.heads_k;
   }
-  // The item's (KV head, batch) pair, in the scratch's order (BwdScratch::zero_done).
-  __device__ int pair(const BwdParams& p) const { return batch * p.heads_k + head_k; }
 };
 
 // The query tiles [begin, end) that may see a key of key tile n_block (common/query_tiles.h);

@@ -4,7 +4,7 @@
 //     each step's Q and dO tiles (TMA) with their rows' lse and D (bulk copies) into
 //     pipelines that run on from item to item; its second warp, the dQ writer, adds each
 //     step's staged dQ tile to the accumulator, which its last two warps zero meanwhile
-//     (BwdPlan::zero_chunks), computing the later pairs' lse / D with it (BwdPlan::prep_pairs);
+//     (BwdPlan::zero_chunks);
 //   warpgroups 1-2, the consumers, per step (kBlockM query rows of one head); at head dims up
 //   to 128, 64 keys each:
 //     S^T = K Q^T, dP^T = V dO^T           SS WGMMA
@@ -80,7 +80,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       cutlass::arch::ClusterTransactionBarrier::init(&shared.kv_full[k], 1);
       cutlass::arch::ClusterBarrier::init(&shared.kv_empty[k], 256 + 32);  // consumers, writer
     }
-    for (int k = 0; k < 2; ++k) cutlass::arch::ClusterBarrier::init(&shared.prep_full[k], 1);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -92,14 +91,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       return;
     }
     if (threadIdx.x / 32 >= 2) {
-      if (s.zero_chunks > 0) BwdEpilogue<Tr>::prep_chunks(p, s, shared);
+      if (s.zero_chunks > 0) BwdEpilogue<Tr>::zero_dq(p, s);
       return;
     }
     if (threadIdx.x != 0) return;
     auto state_q = cutlass::make_producer_start_state<PipelineQ>();
     auto state_do = cutlass::make_producer_start_state<PipelinedO>();
     int item = Items::first();
-    bool prepared = false;  // every pair's lse2 / dsum seen written (wait_chunks)
     #pragma unroll 1
     for (int published = 0;; ++published) {
       Items::publish(shared, published, item < s.items ? item : -1);
@@ -112,10 +110,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       if (w.steps.count() == 0) {
         cutlass::arch::ClusterBarrier::arrive(kv_full);  // dK = dV = 0, no loads
       } else {
-        // Past the preprocess's pairs, the rows' lse2 / dsum are the zeroing warps' (BwdPlan::
-        // prep_pairs): written before the item's first bulk copies of them.
-        const int pair = w.it.pair(p);
-        if (!prepared && pair >= s.prep_pairs) prepared = BwdEpilogue<Tr>::wait_chunks(p, s, pair);
         BwdMainloop<Tr>::template load<kFixed>(p, tma, s, shared, Items::slot(published),
                                                pipe_q, pipe_do, state_q, state_do, w.seq,
                                                w.steps, w.it.n_block, w.it.head_k, w.it.batch);

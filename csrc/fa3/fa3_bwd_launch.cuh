@@ -44,7 +44,6 @@ inline BwdScratch bwd_scratch(const BwdParams& p, const BwdPlan& plan, int kerne
       after_dq + (kBwdCounterBytes + bwd_split_bytes(plan.split_items, kernel_hdim)) / 4;
   const int64_t pairs = int64_t(p.batch) * p.heads_k;
   s.zero_chunks = plan.zero_chunks;
-  s.prep_pairs = plan.prep_pairs;
   s.zero_next = s.next_item + 1;
   s.zero_all = s.next_item + 2;
   s.zero_done = reinterpret_cast<unsigned*>(after_split);
@@ -84,17 +83,13 @@ void run_bwd_tile(const BwdParams& p, const BwdPlan& plan, cudaStream_t stream) 
       FLASH_CHECK_LAUNCH();
     }
   }
-  // The rows of the plan's prep_pairs (the main kernel's warps take the others').
   constexpr int kRowsPerStep = kBwdPrepThreads / bwd_prep_lanes<kHeadDim>();
-  const int64_t prep_rows = s.prep_pairs * (p.heads / p.heads_k) * s.rows_pad;
-  const int64_t prep_blocks = std::min<int64_t>((prep_rows + kRowsPerStep - 1) / kRowsPerStep,
+  const int64_t prep_blocks = std::min<int64_t>((rows + kRowsPerStep - 1) / kRowsPerStep,
                                                 int64_t(std::max(p.num_sms, 1)) * 16);
   auto prep = p.deterministic ? bwd_prep_kernel<T, kHeadDim, true>
                               : bwd_prep_kernel<T, kHeadDim, false>;
-  if (prep_blocks > 0) {
-    prep<<<unsigned(prep_blocks), kBwdPrepThreads, 0, stream>>>(p, s);
-    FLASH_CHECK_LAUNCH();
-  }
+  prep<<<unsigned(prep_blocks), kBwdPrepThreads, 0, stream>>>(p, s);
+  FLASH_CHECK_LAUNCH();
 
   // TMA views of the tensors (fa3_utils.h: tma_view).
   auto tensor = [&](auto* ptr, const Strides& st, int seqlen, int heads, int batches) {

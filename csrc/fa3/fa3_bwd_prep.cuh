@@ -8,12 +8,11 @@
 //   split  the split items' part counters and fp32 dK / dV sums (BwdPlan::split_items), zeroed
 //          with dq
 //   zero_done  with BwdPlan::zero_chunks: per (batch, KV head) the chunks of dq zeroed by the
-//          main kernel (fa3_bwd_epilogue.h: prep_chunks), whose memset then starts here
+//          main kernel (fa3_bwd_epilogue.h: zero_dq), whose memset then starts here
 //   kv_bound  deterministic mode: per (batch, KV head) the largest |K| element and |V| row
 //          norm (squared), zeroed with dq
 //   lse2   the forward's lse in base 2; +inf past the sequence (P = 0 there)
 //   dsum   D = rowsum(dO o O); 0 past the sequence
-//          (both by the preprocess, or past BwdPlan::prep_pairs by the main kernel's warps)
 //   dq_scale  deterministic mode: the row's fixed-point scale (below)
 // and the conversion of the accumulator into dq (times softmax_scale, in the output dtype).
 //
@@ -73,9 +72,6 @@ struct BwdScratch {
   unsigned* zero_next;
   unsigned* zero_all;
   unsigned* zero_done;
-  // The pairs [0, prep_pairs) whose rows' lse2 / dsum the preprocess writes; the zeroing warps
-  // write the others' with their chunks (BwdPlan::prep_pairs).
-  int64_t prep_pairs;
 };
 
 // The fixed-point scale of a row whose dO has squared norm do2, for K / V bounds kv: 2^e with
@@ -101,21 +97,6 @@ __device__ __forceinline__ float2 bwd_to_float2(uint32_t packed) {
     return __half22float2(*reinterpret_cast<const __half2*>(&packed));
   } else {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&packed));
-  }
-}
-
-// A lane's share of a row's D: acc plus the dot product of its 8 values of dO and O (16 bytes
-// each), in pairs; kFixed: do2 plus dO's squared norm too. One order for the preprocess and the
-// main kernel's rows (BwdEpilogue::prep_rows), so that their D agree bit for bit.
-template <typename T, bool kFixed>
-__device__ __forceinline__ void bwd_row_dot(const uint4& dov, const uint4& ov, float& acc,
-                                            float& do2) {
-  const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const float2 x = bwd_to_float2<T>(dw[w]), y = bwd_to_float2<T>(ow[w]);
-    acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
-    if constexpr (kFixed) do2 = fmaf(x.x, x.x, fmaf(x.y, x.y, do2));
   }
 }
 
@@ -211,9 +192,7 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kLanes = bwd_prep_lanes<kHeadDim>(), kRowsPerStep = kBwdPrepThreads / kLanes;
   static_assert(kLanes * 8 >= kHeadDim && 32 % kLanes == 0);
-  // The rows of pairs [0, s.prep_pairs) (the main kernel's warps may take the others'): a
-  // multiple of kRowsPerStep, so a warp's rows are all in or all out for the shuffles.
-  const int64_t total = s.prep_pairs * (p.heads / p.heads_k) * s.rows_pad;
+  const int64_t total = int64_t(p.batch) * p.heads * s.rows_pad;
   const int lane = threadIdx.x % kLanes;
   // Read-only loads (ld.global.nc), which the compiler may move above the previous row's
   // stores: two rows' loads in flight a thread.
@@ -230,7 +209,13 @@ __global__ void __launch_bounds__(kBwdPrepThreads)
           static_cast<const T*>(p.dout) + seq.do_offset(p, h) + r * p.do_strides.row + lane * 8));
       const uint4 ov = __ldg(reinterpret_cast<const uint4*>(
           static_cast<const T*>(p.o) + seq.o_offset(p, h) + r * p.o_strides.row + lane * 8));
-      bwd_row_dot<T, kFixed>(dov, ov, acc, do2);
+      const uint32_t dw[4] = {dov.x, dov.y, dov.z, dov.w}, ow[4] = {ov.x, ov.y, ov.z, ov.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 x = bwd_to_float2<T>(dw[w]), y = bwd_to_float2<T>(ow[w]);
+        acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+        if constexpr (kFixed) do2 = fmaf(x.x, x.x, fmaf(x.y, x.y, do2));
+      }
     }
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset /= 2) {

@@ -52,11 +52,6 @@ struct BwdTraits {
   // first Q / dO) load during this item's last steps, not after them; the shared memory has
   // room up to head dim 96.
   static constexpr int kKVSlots = !kWide && kHeadDim <= 96 ? 2 : 1;
-  // The zeroing warps' staging of dO and O rows (bwd_prep_in_kernel): kPrepRows rows of each,
-  // as many bytes as a zeroing chunk of the accumulator (kBwdZeroChunkBytes).
-  static constexpr int kPrepRows = int(kBwdZeroChunkBytes) / (4 * kHeadDim);
-  static constexpr int kPrepBytes =
-      bwd_prep_in_kernel(kHeadDim) ? 2 * kPrepRows * kHeadDim * int(sizeof(Element)) : 16;
   static constexpr int kConsumers = 2;              // warpgroups
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240
@@ -171,10 +166,6 @@ struct BwdTraits {
     alignas(8) uint64_t kv_full[kKVSlots];
     alignas(8) uint64_t kv_empty[kKVSlots];
     int item[kKVSlots];
-    // The zeroing warps' dO and O rows for their pairs' lse / D (BwdPlan::prep_pairs), a
-    // buffer and a barrier each (a token 16 bytes where the kernel computes none).
-    alignas(128) char prep_rows[2][kPrepBytes];
-    alignas(8) uint64_t prep_full[2];
 
     __device__ Element* ds() { return reinterpret_cast<Element*>(scratch); }
     // The wide tile's only: in the narrow one this is dQ staging buffer 0.

@@ -263,9 +263,6 @@ struct BwdPlan {
   // The dQ accumulator's chunks per (KV head, batch) pair that the main kernel zeroes
   // (bwd_zero_chunks); 0: a memset zeroes it before the kernels.
   int zero_chunks = 0;
-  // The (KV head, batch) pairs, from the first, whose rows' lse and D the preprocess computes;
-  // the main kernel's zeroing warps compute the others' (bwd_prep_pairs).
-  int64_t prep_pairs = 0;
 };
 
 // The backward's keys a CTA (BwdTraits::kBlockN): 64 where dK / dV of 128 keys would not fit
@@ -307,7 +304,7 @@ inline int64_t bwd_split_bytes(int64_t split, int kernel_hdim) {
 }
 
 // The dQ accumulator zeroed by the main kernel, not a memset before it (fa3_bwd_epilogue.h:
-// prep_chunks): the producer warpgroup's idle warps take chunks of it from a counter, the first
+// zero_dq): the producer warpgroup's idle warps take chunks of it from a counter, the first
 // pairs' first, and count each chunk done per (KV head, batch) pair; the dQ writer waits for
 // its pair's count before its first add. The memset's 128 MB at 16k tokens x hidden 2048
 // (~45 us) then overlap the kernel's first wave, which reads little from memory: H100, 64 and
@@ -323,26 +320,6 @@ inline int bwd_zero_chunks(int64_t pair_bytes, int64_t pairs,
   return chunks * pairs >= INT_MAX ? 0 : int(chunks);
 }
 inline int64_t bwd_zero_counter_bytes(int64_t pairs) { return (pairs * 4 + 15) / 16 * 16; }
-
-// The preprocess's O / dO read (D = rowsum(dO o O); 128 MB at 16k tokens x hidden 2048, ~55 us
-// on an H100) under the main kernel too, opt-in (Tuning::fa3_bwd_prep_pairs; its staged form
-// below is not yet measured on a GPU, docs/fa3_decisions.md): the zeroing warps compute the rows'
-// lse and D with each chunk of a pair past prep_pairs (fa3_bwd_epilogue.h: prep_chunks), each
-// warp staging its chunk's dO and O rows in shared memory by bulk copies while its zeroes go
-// out, and the producer waits for an item's pair before its first lse / D copy.
-// bwd_prep_pairs is the count to try: the pairs of the first kBwdPrepWaves waves' items and one
-// more, which start before the warps could have read theirs. Persistent default-mode calls
-// only: a CTA an item (192) would stay resident until every chunk is taken, and deterministic
-// mode's row scales come from the preprocess with the K / V bounds' pass before it. Head dims
-// up to 128 (bwd_prep_in_kernel): 256's tile leaves no room for the staging.
-constexpr bool bwd_prep_in_kernel(int kernel_hdim) { return kernel_hdim <= 128; }
-constexpr int kBwdPrepWaves = 2;
-inline int64_t bwd_prep_pairs(const BwdParams& p, int kernel_hdim) {
-  const int64_t key_tiles = plan_detail::ceil_div(p.seqlen_k, bwd_block_n(kernel_hdim));
-  return std::min(int64_t(p.heads_k) * p.batch,
-                  plan_detail::ceil_div(int64_t(kBwdPrepWaves) * std::max(p.num_sms, 1),
-                                        std::max<int64_t>(key_tiles, 1)) + 1);
-}
 
 // Deterministic mode's bounds of |K| and of |V|'s rows (fa3_bwd_prep.cuh), a pair of floats
 // per (batch, KV head), after the split region: zeroed with the dQ accumulator.
@@ -435,11 +412,6 @@ inline BwdPlan plan_bwd(const BwdParams& p, int kernel_hdim, const Tuning& tunin
         pair_bytes, pairs,
         tuning.fa3_bwd_zero > 0 ? int64_t(tuning.fa3_bwd_zero) << 10 : kBwdZeroChunkBytes);
     if (plan.zero_chunks > 0) plan.workspace_bytes += bwd_zero_counter_bytes(pairs);
-  }
-  plan.prep_pairs = pairs;
-  if (tuning.fa3_bwd_prep_pairs >= 0 && plan.zero_chunks > 0 && plan.persistent &&
-      !p.deterministic && bwd_prep_in_kernel(kernel_hdim)) {
-    plan.prep_pairs = std::min<int64_t>(pairs, tuning.fa3_bwd_prep_pairs);
   }
   // Causal items differ in length (key tile n walks the query tiles from about n kBlockN /
   // kBlockM on), longest first within a pair. Taken pair by pair (the CTAs running at once

@@ -11,8 +11,6 @@
 // Environment: FA3_ITERS=n times n launches (default 20); FA3_NO_REF=1 skips the reference
 // (slow at 16k) and reports the results as unchecked; FA3_SPLIT=k: Tuning::fa3_bwd_split;
 // FA3_ZERO=0 / k: Tuning::fa3_bwd_zero (the accumulator zeroed by a memset / in k KB chunks);
-// FA3_PREP=n / auto: Tuning::fa3_bwd_prep_pairs (the preprocess's pairs, the main kernel the
-// rest's lse / D; auto: fa3_plan.h's bwd_prep_pairs);
 // FA3_MODES=default or deterministic runs that mode alone (A/B runs: half the time);
 // FA3_SPREAD=1: uneven dO rows, K and V rows (spread_rows), and dQ checked row by row.
 #include <cuda_bf16.h>
@@ -232,11 +230,6 @@ int main(int argc, char** argv) {
     flash::Tuning tuning;
     if (getenv("FA3_SPLIT")) tuning.fa3_bwd_split = atoi(getenv("FA3_SPLIT"));
     if (getenv("FA3_ZERO")) tuning.fa3_bwd_zero = atoi(getenv("FA3_ZERO"));
-    if (const char* prep = getenv("FA3_PREP")) {  // a count, or "auto": bwd_prep_pairs's
-      tuning.fa3_bwd_prep_pairs = strcmp(prep, "auto") == 0
-                                      ? int(flash::fa3::bwd_prep_pairs(p, kD))
-                                      : atoi(prep);
-    }
     const flash::fa3::BwdPlan plan = flash::fa3::plan_bwd(p, kD, tuning);
     if (plan.split_parts > 1) {
       printf("plan: %d items, %d of them split in %d parts\n", plan.items, plan.split_items,

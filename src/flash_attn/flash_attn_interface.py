@@ -187,7 +187,7 @@ def select_backend(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, ali
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, block_table, seqused_q, seqused_k,
-                      backend, names, tuning=None):
+                      backend, names):
     call = _validate.validate_varlen_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
         seqused_k=seqused_k, block_table=block_table, dropout_p=dropout_p,
@@ -210,7 +210,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     out, lse, rng_state = _ops.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
         block_table, softmax_scale, call.causal, window_left, window_right, softcap,
-        alibi_slopes, dropout_p, bool(deterministic), family, _ops.tuning_text(tuning))
+        alibi_slopes, dropout_p, bool(deterministic), family, "")
     if out.shape[-1] != head_dim:
         out = out.narrow(-1, 0, head_dim)
     if not return_attn_probs:
@@ -243,8 +243,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *, seqused_q=None,
-                           seqused_k=None, backend: Optional[str] = None,
-                           _tuning: Optional[dict] = None):
+                           seqused_k=None, backend: Optional[str] = None):
     """``flash_attn_func`` over a packed batch of sequences of different lengths.
 
     q: (total_q, nheads, headdim), the batch's query rows one sequence after another; k, v:
@@ -263,13 +262,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out (total_q, nheads, headdim), or with return_attn_probs=True (out, softmax_lse
     (nheads, total_q) float32, S_dmask): S_dmask is None without dropout, else (batch,
     nheads, max_seqlen_q, max_seqlen_k) as ``flash_attn_func``'s, each sequence in its
-    top-left corner (for tests: it is computed in PyTorch). ``_tuning``: as
-    ``flash_attn_func``'s (private).
+    top-left corner (for tests: it is computed in PyTorch).
     """
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, deterministic, return_attn_probs, block_table,
-                             seqused_q, seqused_k, backend, ("q", "k", "v"), _tuning)
+                             seqused_q, seqused_k, backend, ("q", "k", "v"))
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

@@ -177,30 +177,6 @@ int main() {
     // 16k rows x 128: 8 MB a pair, 1024 chunks; a pair of 96 rows x 64 (one head) three.
     CHECK(plan_bwd(bwd(call(1, 16384, 16384, 16, 16), false), 128).zero_chunks == 1024);
     CHECK(plan_bwd(bwd(call(3, 64, 1500, 2, 2), false), 64).zero_chunks == 3);
-    // The preprocess's pairs: all of them unless Tuning::fa3_bwd_prep_pairs asks fewer (the
-    // main kernel's warps then take the rest's lse / D); still all where a memset zeroes the
-    // accumulator, in deterministic mode, at head dims 192 (a CTA an item) and 256 (no room
-    // to stage the rows). The count to try, bwd_prep_pairs: the first two waves' items' pairs
-    // and one more; 16 x 1k x 16 heads at 128: 8 key tiles a pair, 264 items on 132 SMs, 33 + 1
-    // of 256 pairs; 16k: 3 + 1 of 16.
-    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128).prep_pairs == 256);
-    CHECK(plain.prep_pairs == 4);
-    Tuning prep0, prep300;
-    prep0.fa3_bwd_prep_pairs = 0;
-    prep300.fa3_bwd_prep_pairs = 300;
-    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128, prep0).prep_pairs == 0);
-    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 64, prep0).prep_pairs == 0);
-    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128, prep300).prep_pairs == 256);
-    Tuning memset_prep0 = memset;
-    memset_prep0.fa3_bwd_prep_pairs = 0;
-    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 128, memset_prep0).prep_pairs ==
-          256);
-    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), true), 128, prep0).prep_pairs == 256);
-    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 192, prep0).prep_pairs == 256);
-    CHECK(plan_bwd(bwd(call(16, 1024, 1024, 16, 16), false), 256, prep0).prep_pairs == 256);
-    CHECK(bwd_prep_pairs(bwd(call(16, 1024, 1024, 16, 16), false), 128) == 34 &&
-          bwd_prep_pairs(bwd(call(1, 16384, 16384, 16, 16), false), 128) == 4 &&
-          bwd_prep_pairs(bwd(call(2, 1000, 1500, 6, 2), false), 128) == 4);
     CHECK(plain.items == 48 && plain.split_parts == 1 && plain.split_items == 0);
     CHECK(plain.block_m == 64);
     // Plain calls at head dim 64: 96-row steps, scratch rows padded to 1056.
