@@ -435,9 +435,11 @@ def give_features(monkeypatch, features, families=("fa2", "fa3")):
 def fake_ext(monkeypatch):
     ext = FakeExtension(matrix_configs())
     ext.arch = 80
+    ext.smem = 0  # the device's shared memory per block: unknown
     monkeypatch.setitem(sys.modules, "flash_attn._C", ext)
     monkeypatch.setattr(_validate, "KERNEL_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(_dispatch, "device_arch", lambda device: ext.arch)
+    monkeypatch.setattr(_dispatch, "device_smem", lambda device: ext.smem)
     monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
     _dispatch._DECISIONS.clear()
     yield ext

@@ -423,3 +423,14 @@ def test_decode_max_rows_is_fa2s():
     header = (Path(__file__).resolve().parents[1] / "csrc" / "fa2" / "fa2.h").read_text()
     m = re.search(r"constexpr int kDecodeMaxRows = (\d+);", header)
     assert m and int(m.group(1)) == M.DECODE_MAX_ROWS
+
+
+def test_fa2_backward_shared_memory_is_fa2s():
+    # The dispatcher's table of fa2's backward shared memory is fa2.h's kBwdMinSmem (which
+    # fa2_bwd_launch.cuh asserts against the kernels' layout).
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "fa2" / "fa2.h").read_text()
+    m = re.search(r"constexpr int kBwdMinSmem\[\]\[2\] = \{(.*?)\};", header, re.S)
+    assert m
+    table = {int(h): int(b) for h, b in re.findall(r"\{(\d+), (\d+)\}", m.group(1))}
+    assert table == dict(M.FAMILIES["fa2"].bwd_smem)
+    assert set(table) == set(M.FAMILIES["fa2"].backward_hdims)

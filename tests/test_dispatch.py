@@ -23,9 +23,9 @@ def built(*families, directions=("fwd", "bwd")):
 
 
 def choose(arch, dtype="fp16", hdim=128, features=(), requested=None, need_bwd=False,
-           families=("fa1", "fa2", "fa3"), archs=(), ptx=None):
+           families=("fa1", "fa2", "fa3"), archs=(), ptx=None, smem=0):
     return D.choose(arch, dtype, hdim, features, requested, need_bwd=need_bwd,
-                    built=built(*families), archs=archs, ptx=ptx)
+                    built=built(*families), archs=archs, ptx=ptx, smem=smem)
 
 
 @pytest.fixture
@@ -196,6 +196,37 @@ def test_without_ptx_nothing_runs_on_a_newer_gpu():
         "or with 80+PTX (PTX that sm90 JIT-compiles)")
     with pytest.warns(D.BackendFallbackWarning, match=r"running fa1 instead of fa3"):
         assert choose(90, archs=(75, 80), ptx=75, families=("fa1",)) == "fa1"
+
+
+# Shared memory a block may opt into: sm80 (A100), sm86 / sm89 (RTX 30xx / 40xx, A10, L4),
+# sm90 (H100).
+SMEM = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+
+@pytest.mark.parametrize("arch", [86, 89])
+def test_training_where_fa2s_backward_does_not_fit(arch):
+    # fa2's backward needs 106-161 KB a block, past these GPUs' 99 KB: a call that needs a
+    # gradient runs fa1 where fa1 takes it (visibly).
+    with pytest.warns(D.BackendFallbackWarning, match=rf"running fa1 instead of fa2, the preferred family on sm{arch}, because the fa2 bwd kernel for head dim 128 needs 161 KB of shared memory per block, and this GPU allows 99 KB"):
+        assert choose(arch, "bf16", 128, {"causal"}, need_bwd=True, smem=SMEM[arch]) == "fa1"
+    with pytest.warns(D.BackendFallbackWarning, match=r"fa2 bwd kernel for head dim 32 needs 106 KB"):
+        assert choose(arch, hdim=20, features={"gqa"}, need_bwd=True, smem=SMEM[arch]) == "fa1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", D.BackendFallbackWarning)
+        assert choose(arch, "bf16", 128, {"causal"}, smem=SMEM[arch]) == "fa2"  # inference
+        # Where fa1 does not take the call either, fa2's forward still runs (its backward
+        # raises if it is asked for), as does a forced fa2.
+        assert choose(arch, hdim=256, need_bwd=True, smem=SMEM[arch]) == "fa2"
+        assert choose(arch, features={"local"}, need_bwd=True, smem=SMEM[arch]) == "fa2"
+        assert choose(arch, requested="fa2", need_bwd=True, smem=SMEM[arch]) == "fa2"
+
+
+def test_fa2s_backward_fits_sm80_and_sm90(no_fallback_warning):
+    for hdim in (32, 64, 96, 128, 192, 256):
+        assert choose(80, hdim=hdim, need_bwd=True, smem=SMEM[80]) == "fa2"
+        # fa3's gradient where its own backward does not take it runs fa2's.
+        assert choose(90, hdim=hdim, features={"short_q"}, need_bwd=True,
+                      smem=SMEM[90]) == "fa3"
 
 
 def test_head_dim_beyond_fa1_goes_to_fa2():
@@ -428,6 +459,17 @@ def test_training_without_fa2s_backward_on_sm90(fake_ext):
     assert [c[:2] for c in fake_ext.calls[-2:]] == [("fwd", "fa1"), ("bwd", "fa1")]
     with pytest.raises(NotImplementedError, match=r"backend='fa3' cannot run this call .*this build has no fa2 bwd kernel \(which computes fa3's gradient\) for fp16 head dim 64 \(built: none\).*backend='fa1' would run it"):
         flash_attn.flash_attn_func(q, k, v, backend="fa3")
+
+
+def test_training_on_sm86_runs_fa1_through_the_call(fake_ext):
+    fake_ext.arch, fake_ext.smem = 86, SMEM[86]
+    q, k, v = _qkv()
+    flash_attn.flash_attn_func(q, k, v, causal=True)
+    assert fake_ext.calls[-1][:2] == ("fwd", "fa2")
+    q.requires_grad_()
+    with pytest.warns(D.BackendFallbackWarning, match=r"running fa1 instead of fa2.*needs 146 KB of shared memory per block, and this GPU allows 99 KB"):
+        flash_attn.flash_attn_func(q, k, v, causal=True).float().sum().backward()
+    assert [c[:2] for c in fake_ext.calls[-2:]] == [("fwd", "fa1"), ("bwd", "fa1")]
 
 
 def test_missing_extension(monkeypatch):

@@ -183,6 +183,22 @@ def test_gqa(h, hk, sq, sk, causal, dtype):
     run_case(2, sq, sk, h, hk, 64, causal, dtype)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_automatic_training_where_fa2s_backward_does_not_fit(monkeypatch, causal):
+    """sm86 / sm89 let a block opt into 99 KB of shared memory, less than any fa2 backward
+    needs (build_matrix: fa2's bwd_smem), so there the automatic choice trains on fa1, visibly.
+    This GPU allows more: the dispatcher is told 99 KB. (On sm90 a short query's fa3 gradient
+    is fa2's backward, so that call goes to fa1 too.)"""
+    from flash_attn import _dispatch
+    monkeypatch.setattr(_dispatch, "device_smem", lambda device: 99 * 1024)
+    dtype, d = torch.bfloat16, 128
+    _skip_unless_built(dtype, d)
+    inputs = (_randn(2, 113, 6, d, dtype=dtype), _randn(2, 203, 2, d, dtype=dtype),
+              _randn(2, 203, 2, d, dtype=dtype))
+    with pytest.warns(flash_attn.BackendFallbackWarning, match=r"running fa1 instead of fa[23], .* needs \d+ KB of shared memory per block, and this GPU allows 99 KB"):
+        check(inputs, "qkv", dtype, causal, _func(causal, backend=None))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(113, 203), (1024, 1023)])

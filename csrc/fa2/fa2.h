@@ -33,6 +33,20 @@ __host__ __device__ inline int64_t round_up(int64_t x, int64_t m) { return (x + 
 constexpr int kSm80SmemBytes = 163 * 1024;
 constexpr int kSm86SmemBytes = 99 * 1024;
 
+// The backward's least shared memory per block (bytes) at each kernel head dim: the smallest
+// variant its launcher runs (two Q buffers, or one where two are past sm80's 163 KB: head dim
+// 256). Every entry is past sm86 / sm89's 99 KB, so those GPUs run no fa2 backward, and the
+// dispatcher trains there on fa1 where it can (build_matrix.py's fa2 entry states the same
+// table, a test keeps them equal; fa2_bwd_launch.cuh checks it against BwdTraits).
+constexpr int kBwdMinSmem[][2] = {{32, 108544}, {64, 149504}, {96, 132096},
+                                  {128, 164864}, {192, 140288}, {256, 147968}};
+constexpr int bwd_min_smem_bytes(int kernel_hdim) {
+  for (const auto& entry : kBwdMinSmem) {
+    if (entry[0] == kernel_hdim) return entry[1];
+  }
+  return 0;
+}
+
 // The backward kernels' query tiles are at least this tall (the deterministic mode keeps one
 // counter per tile of this height, enough for any of them).
 constexpr int kBwdMinBlockM = 64;

@@ -91,6 +91,8 @@ void run_bwd(const BwdParams& params, const BwdPlan& plan, cudaStream_t stream) 
       cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   constexpr int kSmemTwo = BwdTraits<T, kHeadDim, 2, false, false>::kSmemBytes;
   constexpr int kSmemOne = BwdTraits<T, kHeadDim, 1, false, false>::kSmemBytes;
+  static_assert((kSmemTwo > kSm80SmemBytes ? kSmemOne : kSmemTwo) == bwd_min_smem_bytes(kHeadDim),
+                "fa2.h's kBwdMinSmem: the least shared memory this launcher runs with");
   if (kSmemTwo <= max_smem) {
     launch_bwd_variant<T, kHeadDim, 2>(p, plan, max_smem, stream);
   } else if constexpr (kSmemTwo > kSm80SmemBytes) {

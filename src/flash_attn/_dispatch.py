@@ -19,7 +19,10 @@ backward where that takes the call, else its bwd_family's (fa3's backward takes 
 dim, dense or variable-length, any mask or score mod, deterministic or not, with
 build_matrix.SHORT_Q_ROWS query rows per KV head or more; its other gradients run fa2's
 backward, on the same O / LSE conventions). A call that needs a backward can run a family only
-if that backward family is built, runs on the device and supports the call too.
+if that backward family is built, runs on the device and supports the call too; among those,
+one whose backward kernel fits the device's shared memory per block comes first
+(build_matrix's ``bwd_smem``: fa2's backward needs more than sm86 / sm89's 99 KB, so training
+there runs fa1 where fa1 takes the call; ``choose`` says what happens where none fits).
 
 A family is forced with ``FLASH_ATTN_BACKEND=auto|fa1|fa2|fa3`` (read at call time) or per call
 with ``backend=`` (which wins). A forced family that cannot run the call is an error naming the
@@ -81,6 +84,7 @@ class BuiltConfig(NamedTuple):
 
 _BUILT_CACHE: dict = {}
 _ARCH_CACHE: dict = {}
+_SMEM_CACHE: dict = {}
 
 
 def built_archs() -> Tuple[int, ...]:
@@ -159,6 +163,20 @@ def device_arch(device) -> int:
     return arch
 
 
+@torch.compiler.assume_constant_result
+def device_smem(device) -> int:
+    """The shared memory a block may opt into on a CUDA device, in bytes; 0 if this torch does
+    not say (then nothing is ruled out by it)."""
+    index = torch.device(device).index if not isinstance(device, int) else device
+    if index is None:
+        index = torch.cuda.current_device()
+    smem = _SMEM_CACHE.get(index)
+    if smem is None:
+        props = torch.cuda.get_device_properties(index)
+        smem = _SMEM_CACHE[index] = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    return smem
+
+
 def requested_backend(backend: Optional[str]) -> Optional[str]:
     """The forced family, or None for automatic: ``backend=`` if given, else FLASH_ATTN_BACKEND."""
     if backend is not None:
@@ -182,13 +200,14 @@ def requested_backend(backend: Optional[str]) -> Optional[str]:
 def why_not(family: str, arch: int, dtype: str, hdim: int, features: Iterable[str],
             directions: Tuple[str, ...], built: frozenset,
             archs: Iterable[int] = (), ptx: Optional[int] = None,
-            deterministic: bool = False) -> Optional[str]:
+            deterministic: bool = False, smem: int = 0) -> Optional[str]:
     """None if ``family`` can run the call, else the reason it cannot. ``directions``: "fwd"
     and, for a call that needs a gradient, "bwd", which runs the kernels of the call's
     backward family (build_matrix.backward_family: ``family``'s own or its bwd_family, by head
     dim, features and ``deterministic``). ``archs``: the build's target archs
     (``built_archs()``); empty means unknown, nothing ruled out by them. ``ptx``: the arch
-    whose PTX the build carries (``ptx_arch()``), None for none."""
+    whose PTX the build carries (``ptx_arch()``), None for none. ``smem``: the shared memory a
+    block may opt into on the device (``device_smem``), 0 for unknown."""
     if family not in build_matrix.FAMILIES:
         return (f"{family} is not implemented in this version of flash_attn (implemented: "
                 f"{', '.join(sorted(build_matrix.FAMILIES))})")
@@ -198,7 +217,7 @@ def why_not(family: str, arch: int, dtype: str, hdim: int, features: Iterable[st
         owner = (family if direction == "fwd" else
                  build_matrix.backward_family(family, hdim, features, deterministic))
         reason = _why_not_kernels(owner, direction, family, arch, dtype, hdim, features, built,
-                                  archs, ptx)
+                                  archs, ptx, smem)
         if reason is not None:
             return reason
     return None
@@ -206,7 +225,8 @@ def why_not(family: str, arch: int, dtype: str, hdim: int, features: Iterable[st
 
 def _why_not_kernels(family: str, direction: str, forward_family: str, arch: int, dtype: str,
                      hdim: int, features: frozenset, built: frozenset,
-                     archs: Tuple[int, ...], ptx: Optional[int]) -> Optional[str]:
+                     archs: Tuple[int, ...], ptx: Optional[int],
+                     smem: int = 0) -> Optional[str]:
     """None if ``family``'s ``direction`` kernels can run the call, else why not.
     ``forward_family``: the family whose forward the call runs (another one when these
     kernels compute its gradient)."""
@@ -240,6 +260,12 @@ def _why_not_kernels(family: str, direction: str, forward_family: str, arch: int
                     f"FLASH_ATTN_CUDA_ARCHS including {arch}")
         return (f"this build's {which} need code for sm{need}+ that runs on sm{arch}, and it "
                 f"has {_targets_text(archs, ptx)}; {_rebuild_hint(arch, archs, ptx, need)}")
+    # The call runs the smallest kernel head dim that holds it.
+    kernel_hdim = min(c.hdim for c in kernels)
+    need_smem = fam.bwd_smem.get(kernel_hdim, 0) if direction == "bwd" else 0
+    if smem and need_smem > smem:
+        return (f"the {kernel} for head dim {kernel_hdim} needs {need_smem // 1024} KB of "
+                f"shared memory per block, and this GPU allows {smem // 1024} KB")
     return None
 
 
@@ -274,10 +300,16 @@ def _arch_in(family: build_matrix.Family, arch: int) -> bool:
 def choose(arch: int, dtype: str, hdim: int, features: Iterable[str],
            requested: Optional[str] = None, *, need_bwd: bool = False,
            built: frozenset = frozenset(), archs: Iterable[int] = (),
-           ptx: Optional[int] = None, deterministic: bool = False) -> str:
+           ptx: Optional[int] = None, deterministic: bool = False, smem: int = 0) -> str:
     """The family that runs the call; raises NotImplementedError when none can (or the forced
     one cannot). ``hdim`` is the caller's head dim, before padding to a multiple of 8;
-    ``archs`` / ``ptx``: the build's targets, as ``why_not`` takes them."""
+    ``archs`` / ``ptx`` / ``smem``: the build's targets and the device's shared memory, as
+    ``why_not`` takes them.
+
+    A backward that needs more shared memory than the device allows (fa2's on sm86 / sm89)
+    rules its family out only where another family's backward fits: otherwise the call keeps
+    its forward, whose gradient, if asked for, raises then (a caller that never asks loses
+    nothing)."""
     features = frozenset(features)
     directions = ("fwd", "bwd") if need_bwd else ("fwd",)
     archs = tuple(archs)
@@ -285,15 +317,20 @@ def choose(arch: int, dtype: str, hdim: int, features: Iterable[str],
     reasons = {f: why_not(f, arch, dtype, hdim, features, directions, built, archs, ptx,
                           deterministic) for f in order}
     runnable = [f for f in order if reasons[f] is None]
+    if smem and need_bwd:
+        # The shared memory as a reason too; a family that fits first.
+        reasons = {f: reasons[f] or why_not(f, arch, dtype, hdim, features, directions, built,
+                                            archs, ptx, deterministic, smem) for f in order}
+        runnable = sorted(runnable, key=lambda f: reasons[f] is not None)
     what = (f"sm{arch}, {dtype}, head dim {hdim}, {'fwd+bwd' if need_bwd else 'fwd'}, "
             f"features: {', '.join(sorted(features)) or 'none'}")
     if requested is not None:
         if requested not in reasons:
             raise ValueError(f"backend={requested!r} is not a backend; supported: "
                              f"{', '.join(repr(b) for b in BACKENDS)}")
-        reason = reasons[requested]
-        if reason is None:
+        if requested in runnable:
             return requested
+        reason = reasons[requested]
         runs_it = (f"backend={runnable[0]!r} would run it (or leave backend unset for the "
                    f"automatic choice)" if runnable else _none_runs_it(features))
         raise NotImplementedError(f"backend={requested!r} cannot run this call ({what}): "
@@ -333,7 +370,7 @@ _DECISIONS: dict = {}
 
 @torch.compiler.assume_constant_result
 def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Optional[str],
-            need_bwd: bool, deterministic: bool = False) -> Tuple[str, str, str]:
+            need_bwd: bool, deterministic: bool = False, smem: int = 0) -> Tuple[str, str, str]:
     """``choose`` as (family, "", "") or ("", exception name, message), memoised: dynamo turns
     the result into a constant, and an exception raised while it traces would reach the user
     wrapped in a dynamo error, so errors are returned here and raised by traced code. The memo
@@ -341,7 +378,7 @@ def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Op
     call that was decided before costs one lookup: its built configs, archs and PTX are read
     only to decide."""
     key = (sys.modules.get(_ops._EXTENSION), arch, dtype, hdim, features, requested,
-           need_bwd, deterministic)
+           need_bwd, deterministic, smem)
     decision = _DECISIONS.get(key) if key[0] is not None else None
     if decision is not None:
         return decision
@@ -357,7 +394,7 @@ def _decide(arch: int, dtype: str, hdim: int, features: frozenset, requested: Op
         try:
             decision = (choose(arch, dtype, hdim, features, requested, need_bwd=need_bwd,
                                built=built, archs=archs, ptx=ptx,
-                               deterministic=deterministic), "", "")
+                               deterministic=deterministic, smem=smem), "", "")
         except NotImplementedError as e:
             decision = ("", "NotImplementedError", str(e))
     _DECISIONS[(_ops.extension(),) + key[1:]] = decision
@@ -386,7 +423,8 @@ def select(call: Call, device, backend: Optional[str], need_bwd: bool,
                 break
     family, error, message = _decide(arch, call.dtype, head_dim, call.features,
                                      requested_backend(backend), need_bwd,
-                                     bool(deterministic) and need_bwd)
+                                     bool(deterministic) and need_bwd,
+                                     device_smem(device) if need_bwd else 0)
     if error:
         raise _ERRORS[error](message)
     return family

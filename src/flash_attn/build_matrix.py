@@ -58,6 +58,10 @@ class Family:
     bwd_hdims: tuple[int, ...] | None = None
     bwd_features: frozenset[str] | None = None
     bwd_deterministic: bool = True
+    # The shared memory per block (bytes) its backward needs at the least, per kernel head dim
+    # (its launcher's smallest variant). A GPU that allows less cannot run that backward. Empty:
+    # any GPU of its archs can.
+    bwd_smem: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def backward_hdims(self) -> tuple[int, ...]:
@@ -91,6 +95,10 @@ FAMILIES: dict[str, Family] = {
         directions=("fwd", "bwd"),
         features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "dropout", "varlen",
                             "paged_kv", "paged_kv_unaligned", "kvcache", "decode", "short_q"}),
+        # csrc/fa2/fa2.h's kBwdMinSmem (a test keeps them equal): 106-161 KB, past the 99 KB of
+        # sm86 / sm89 (and sm120), where a call that needs a gradient runs fa1 if fa1 takes it
+        # (_dispatch.choose).
+        bwd_smem={32: 108544, 64: 149504, 96: 132096, 128: 164864, 192: 140288, 256: 147968},
     ),
     # FlashAttention-3 for Hopper: TMA loads by a producer warpgroup, WGMMA in two or three
     # consumer warpgroups, setmaxnreg (sm_90a machine code: runs on sm90 only). Its backward
