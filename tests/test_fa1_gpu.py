@@ -191,10 +191,16 @@ def test_automatic_training_where_fa2s_backward_does_not_fit(monkeypatch, causal
     is fa2's backward, so that call goes to fa1 too.)"""
     from flash_attn import _dispatch
     monkeypatch.setattr(_dispatch, "device_smem", lambda device: 99 * 1024)
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    monkeypatch.setattr(_dispatch, "_DECISIONS", {})  # the warning comes with a new decision
     dtype, d = torch.bfloat16, 128
     _skip_unless_built(dtype, d)
     inputs = (_randn(2, 113, 6, d, dtype=dtype), _randn(2, 203, 2, d, dtype=dtype),
               _randn(2, 203, 2, d, dtype=dtype))
+    with pytest.warns(flash_attn.BackendFallbackWarning):
+        assert flash_attn.select_backend(inputs[0].detach().requires_grad_(), *inputs[1:],
+                                         causal=causal) == "fa1"
+    _dispatch._DECISIONS.clear()
     with pytest.warns(flash_attn.BackendFallbackWarning, match=r"running fa1 instead of fa[23], .* needs \d+ KB of shared memory per block, and this GPU allows 99 KB"):
         check(inputs, "qkv", dtype, causal, _func(causal, backend=None))
 

@@ -264,7 +264,7 @@ def _why_not_kernels(family: str, direction: str, forward_family: str, arch: int
     kernel_hdim = min(c.hdim for c in kernels)
     need_smem = fam.bwd_smem.get(kernel_hdim, 0) if direction == "bwd" else 0
     if smem and need_smem > smem:
-        return (f"the {kernel} for head dim {kernel_hdim} needs {need_smem // 1024} KB of "
+        return (f"the {kernel} for head dim {kernel_hdim} needs {-(-need_smem // 1024)} KB of "
                 f"shared memory per block, and this GPU allows {smem // 1024} KB")
     return None
 
