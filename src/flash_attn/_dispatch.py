@@ -150,12 +150,16 @@ def built_configs() -> frozenset:
     return built
 
 
+def _device_index(device) -> int:
+    """A CUDA device's index (an int, a torch.device or a string; no index: the current one)."""
+    index = torch.device(device).index if not isinstance(device, int) else device
+    return torch.cuda.current_device() if index is None else index
+
+
 @torch.compiler.assume_constant_result
 def device_arch(device) -> int:
     """Compute capability of a CUDA device as major * 10 + minor (sm90 -> 90)."""
-    index = torch.device(device).index if not isinstance(device, int) else device
-    if index is None:
-        index = torch.cuda.current_device()
+    index = _device_index(device)
     arch = _ARCH_CACHE.get(index)
     if arch is None:
         major, minor = torch.cuda.get_device_capability(index)
@@ -167,9 +171,7 @@ def device_arch(device) -> int:
 def device_smem(device) -> int:
     """The shared memory a block may opt into on a CUDA device, in bytes; 0 if this torch does
     not say (then nothing is ruled out by it)."""
-    index = torch.device(device).index if not isinstance(device, int) else device
-    if index is None:
-        index = torch.cuda.current_device()
+    index = _device_index(device)
     smem = _SMEM_CACHE.get(index)
     if smem is None:
         props = torch.cuda.get_device_properties(index)
