@@ -417,7 +417,7 @@ def matrix_configs(families=None, archs_ok=True):
             continue
         fam = build_matrix.FAMILIES[c.family]
         rows.append((c.family, c.direction, c.dtype, c.hdim,
-                     max(fam.min_arch, fam.dtype_min_arch[c.dtype])))
+                     fam.dtype_arch(c.dtype)))
     return rows
 
 

@@ -59,7 +59,7 @@ def test_every_call_feature_has_an_error_text():
 
 def test_cxx_types():
     assert set(M.CXX_TYPE) == set(M.DTYPES)
-    assert M.CXX_TYPE == {"fp16": "__half", "bf16": "__nv_bfloat16"}
+    assert M.CXX_TYPE == {"fp16": "__half", "bf16": "__nv_bfloat16", "e4m3": "__nv_fp8_e4m3"}
 
 
 def test_all_configs_is_the_full_product():
@@ -67,7 +67,10 @@ def test_all_configs_is_the_full_product():
     assert configs == sorted(configs)
     expected = sum(len(f.dtype_min_arch) * len(f.backward_hdims if d == "bwd" else f.hdims)
                    for f in M.FAMILIES.values() for d in f.directions)
+    expected += sum(len(f.fp8_hdims) for f in M.FAMILIES.values())  # e4m3 forwards
     assert len(configs) == len(set(configs)) == expected
+    fp8 = [c for c in configs if c.dtype == "e4m3"]
+    assert fp8 == [M.Config("fa3", "fwd", "e4m3", h) for h in (64, 128, 256)]
     assert M.Config("fa1", "fwd", "bf16", 64).stem == "fa1_fwd_hdim64_bf16"
 
 
@@ -377,7 +380,7 @@ def test_write_sources(tmp_path):
     for family, direction, cxx, dtype, hdim, min_arch, max_arch in rows:
         f = M.FAMILIES[family]
         assert cxx == M.CXX_TYPE[dtype]
-        assert int(min_arch) == max(f.min_arch, f.dtype_min_arch[dtype])
+        assert int(min_arch) == f.dtype_arch(dtype)
         assert int(max_arch) == (f.max_arch or 0)
     assert ("fa1", "fwd", "__nv_bfloat16", "bf16", "64", "80", "0") in rows
     assert ("fa1", "bwd", "__half", "fp16", "128", "75", "0") in rows

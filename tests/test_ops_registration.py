@@ -51,8 +51,11 @@ def test_signature_is_2x_plus_backend(name, positional):
     got = [(p.name, p.default) for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert got == [(n, EMPTY) for n in positional] + _COMMON
     extra = [(p.name, p.kind, p.default) for p in params if p.kind != p.POSITIONAL_OR_KEYWORD]
-    private = [("_tuning", inspect.Parameter.KEYWORD_ONLY, None)] if name == "flash_attn_func" else []
-    assert extra == [("backend", inspect.Parameter.KEYWORD_ONLY, None)] + private
+    kw = inspect.Parameter.KEYWORD_ONLY
+    # flash_attn_func: FP8's descales and out_dtype (../shared/INTERFACE.md), the private _tuning.
+    fp8 = [(n, kw, None) for n in ("q_descale", "k_descale", "v_descale", "out_dtype")]
+    private = fp8 + [("_tuning", kw, None)] if name == "flash_attn_func" else []
+    assert extra == [("backend", kw, None)] + private
 
 
 @pytest.mark.parametrize("name,positional,keyword_only", [

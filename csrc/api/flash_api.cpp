@@ -7,10 +7,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -106,6 +108,7 @@ const std::vector<Kernel>& kernels() {
 std::string dtype_name(const at::Tensor& t) {
   if (t.scalar_type() == at::kHalf) return "fp16";
   if (t.scalar_type() == at::kBFloat16) return "bf16";
+  if (t.scalar_type() == at::kFloat8_e4m3fn) return "e4m3";
   return std::string(c10::toString(t.scalar_type()));
 }
 
@@ -485,6 +488,78 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   set_rng_state(p, rng_state, q, family);
   kernel.fwd(p, kernel.hdim, parse_tuning(tuning), q);
   return result;
+}
+
+// FP8 (fa3 on sm90): e4m3 q / k / v, each with float32 (batch, heads_k) descales (None: 1), out
+// bf16; forward only. Returns (out, lse).
+std::tuple<at::Tensor, at::Tensor> fp8_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale, const std::optional<at::Tensor>& out_arg,
+    const std::optional<at::Tensor>& lse_arg, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, const std::string& family,
+    const std::string& tuning) {
+  check_shapes(q, k, v);
+  TORCH_CHECK(q.scalar_type() == at::kFloat8_e4m3fn, "flash_attn: the FP8 forward takes "
+              "float8_e4m3fn q, k, v, got ", q.scalar_type());
+  // TMA: 16-byte strides, 16-element (16-byte) rows.
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    bool aligned = reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
+    for (int d = 0; d < 3; ++d) aligned = aligned && (t->size(d) <= 1 || t->stride(d) % 16 == 0);
+    TORCH_CHECK(aligned, "flash_attn: FP8 q, k, v must be 16-byte aligned with strides that are "
+                "multiples of 16, got strides ", shape(t->strides()));
+  }
+  const int64_t batch = q.size(0), heads_k = k.size(2);
+  at::Tensor out = out_arg ? *out_arg : at::empty(q.sizes(), q.options().dtype(at::kBFloat16));
+  TORCH_CHECK(out.is_cuda() && out.device() == q.device() &&
+                  out.scalar_type() == at::kBFloat16 && out.sizes() == q.sizes() &&
+                  out.stride(-1) == 1,
+              "flash_attn: out of an FP8 call must be bfloat16 in q's shape on q's device, "
+              "contiguous in its last dim");
+  bool out_aligned = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 3; ++d) out_aligned = out_aligned && (out.size(d) <= 1 || out.stride(d) % 8 == 0);
+  TORCH_CHECK(out_aligned, "flash_attn: out must be 16-byte aligned with strides that are "
+              "multiples of 8, got strides ", shape(out.strides()));
+  at::Tensor lse = lse_arg ? *lse_arg
+                           : at::empty({q.size(0), q.size(2), q.size(1)},
+                                       q.options().dtype(at::kFloat));
+  check_lse(lse, q);
+  // The descales as contiguous (batch, heads_k) float32: one stride pair for the three.
+  std::array<at::Tensor, 3> scales;
+  const std::array<const std::optional<at::Tensor>*, 3> given = {&q_descale, &k_descale,
+                                                                 &v_descale};
+  const char* names[3] = {"q_descale", "k_descale", "v_descale"};
+  for (int i = 0; i < 3; ++i) {
+    if (!given[i]->has_value() || !(*given[i])->defined()) continue;
+    const at::Tensor& d = **given[i];
+    TORCH_CHECK(d.is_cuda() && d.device() == q.device() && d.scalar_type() == at::kFloat &&
+                    d.dim() == 2 && d.size(0) == batch && d.size(1) == heads_k,
+                "flash_attn: ", names[i], " must be float32 (batch, heads_k) = (", num(batch),
+                ", ", num(heads_k), ") on q's device, got ", d.scalar_type(), " ",
+                shape(d.sizes()), " on ", d.device().str());
+    scales[i] = d.contiguous();
+  }
+  if (q.numel() == 0 || k.size(1) == 0) {
+    if (q.numel() > 0) {
+      out.zero_();
+      lse.fill_(std::numeric_limits<float>::infinity());
+    }
+    return {out, lse};
+  }
+  const c10::cuda::CUDAGuard guard(q.device());
+  const Kernel& kernel = find_kernel(family, "fwd", "e4m3", int(q.size(3)), device_info(q).arch);
+  flash::FwdParams p;
+  const std::optional<at::Tensor> no_alibi;
+  fill_fwd(p, q, k, v, out, lse, softmax_scale,
+           {causal, window_left, window_right, 0.0, no_alibi, 0.0});
+  p.fp8 = true;
+  p.q_descale = scales[0].defined() ? scales[0].data_ptr<float>() : nullptr;
+  p.k_descale = scales[1].defined() ? scales[1].data_ptr<float>() : nullptr;
+  p.v_descale = scales[2].defined() ? scales[2].data_ptr<float>() : nullptr;
+  p.descale_batch_stride = heads_k;
+  p.descale_head_stride = 1;
+  kernel.fwd(p, kernel.hdim, parse_tuning(tuning), q);
+  return {out, lse};
 }
 
 // What the backward reads besides the forward's params: dO, the gradients (their steps by
@@ -907,6 +982,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rng_state"), py::arg("alibi_slopes"), py::arg("softmax_scale"),
         py::arg("causal"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
         py::arg("dropout_p"), py::arg("family"), py::arg("tuning") = "");
+  m.def("fp8_fwd", &fp8_fwd,
+        "FP8 attention forward (fa3, e4m3 q / k / v, bf16 out): (out, lse), into the tensors "
+        "given or new ones where None",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_descale"), py::arg("k_descale"),
+        py::arg("v_descale"), py::arg("out"), py::arg("lse"), py::arg("softmax_scale"),
+        py::arg("causal"), py::arg("window_left"), py::arg("window_right"), py::arg("family"),
+        py::arg("tuning") = "");
   m.def("bwd", &bwd, "attention backward: writes dq, dk, dv", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("rng_state"),
         py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("alibi_slopes"),

@@ -1,10 +1,11 @@
 // Register-fragment helpers that FA2 (mma.sync) and FA3 (WGMMA) share: the CuTe element type of
-// a CUDA 16-bit type, fp32 -> 16-bit fragment conversion, the ex2 instruction and the reductions
+// a CUDA element type, fp32 -> 16-bit fragment conversion, the ex2 instruction and the reductions
 // over the four lanes of a quad that hold one accumulator row between them.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <type_traits>
 
@@ -17,6 +18,7 @@ namespace flash {
 template <typename T> struct CuteType;
 template <> struct CuteType<__half> { using type = cutlass::half_t; };
 template <> struct CuteType<__nv_bfloat16> { using type = cutlass::bfloat16_t; };
+template <> struct CuteType<__nv_fp8_e4m3> { using type = cutlass::float_e4m3_t; };
 
 // fp32 fragment -> 16-bit fragment of the same layout, two elements per instruction.
 template <typename To, class Engine, class Layout>

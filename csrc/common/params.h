@@ -123,6 +123,16 @@ struct FwdParams {
   // need, where `arch` only sizes tiles and shared memory.
   int code_arch = 0;
   int l2_bytes = 0; // its L2 size, for the order in which blocks take tiles
+
+  // FP8 (fa3's e4m3 forward): q / k / v hold e4m3, out bf16. The real Q is q * q_descale[b, h_k]
+  // (likewise K, V), fp32 (batch, heads_k) at b * descale_batch_stride + h_k *
+  // descale_head_stride; nullptr: 1. The kernel folds q_descale * k_descale into the softmax
+  // scale and v_descale into O's normalisation.
+  bool fp8 = false;
+  const float* q_descale = nullptr;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+  int64_t descale_batch_stride = 0, descale_head_stride = 0;
 };
 
 struct BwdParams : FwdParams {

@@ -7,6 +7,9 @@
 // Scores stay in score units (see score_mod.h); scale_log2 folds the softmax scale and
 // log2(e) into the FFMA that feeds ex2. A row with no visible key so far has m = -inf; it is
 // exponentiated against 0 instead, so its P is 0 and never NaN.
+// kPOffset (FP8's P): P = exp2(S * scale_log2 - m * scale_log2 + kPOffset), up to 2^kPOffset
+// times FA2's, so that an 8-bit P keeps the small probabilities that [0, 1] would flush; l
+// carries the same factor (O / l is unchanged) and finalize takes it out of the lse.
 #pragma once
 
 #include <cmath>
@@ -17,9 +20,11 @@
 
 namespace flash {
 
-template <int kRows>
+template <int kRows, int kPOffset = 0>
 struct Softmax {
-  static constexpr float kRescaleLog2 = 8.f;  // see update()
+  // See update(). With an offset, P <= 2^(kPOffset + kRescaleLog2) must stay below e4m3's 448.
+  static constexpr float kRescaleLog2 = kPOffset > 0 ? 0.5f : 8.f;
+  static_assert(kPOffset == 0 || kPOffset + kRescaleLog2 < 8.8f);
   float row_max[kRows];
   float row_sum[kRows];
 
@@ -76,7 +81,8 @@ struct Softmax {
     }
 #pragma unroll
     for (int mi = 0; mi < kRows; ++mi) {
-      const float m_scaled = row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2;
+      const float m_scaled =
+          (row_max[mi] == -INFINITY ? 0.f : row_max[mi] * scale_log2) - float(kPOffset);
       float sum = 0.f;
 #pragma unroll
       for (int ni = 0; ni < cute::size<1>(s); ++ni) {
@@ -109,7 +115,8 @@ struct Softmax {
       const bool empty = sum == 0.f || sum != sum;
       const float inv = empty ? 0.f : rp_keep / sum;
       lse[mi] = empty ? INFINITY
-                      : (row_max[mi] * scale_log2 + __log2f(sum)) * float(M_LN2);
+                      : (row_max[mi] * scale_log2 - float(kPOffset) + __log2f(sum)) *
+                            float(M_LN2);
 #pragma unroll
       for (int di = 0; di < cute::size<1>(o); ++di) o(mi, di) *= inv;
     }

@@ -22,6 +22,18 @@ namespace flash::fa3 {
 constexpr int kPageRows = 8;
 
 inline const char* fwd_unsupported(const FwdParams& p) {
+  if (p.fp8) {
+    if (p.cu_seqlens_q != nullptr || p.kv_cache || p.block_table != nullptr) {
+      return "fa3's FP8 forward takes dense calls only so far (not variable-length or KV-cache "
+             "calls)";
+    }
+    if (p.softcap > 0.f || p.alibi_slopes != nullptr || p.dropout_p > 0.f) {
+      return "fa3's FP8 forward supports neither softcap, ALiBi nor dropout so far";
+    }
+    if (p.head_dim % 16 != 0) {
+      return "fa3's FP8 forward needs a head dim that is a multiple of 16 (16-byte rows)";
+    }
+  }
   if (p.block_table != nullptr && p.page_size % kPageRows != 0) {
     return "fa3 reads paged K/V in boxes of 8 rows or more within a page: its page_block_size "
            "must be a multiple of 8; fa2 runs other pages";

@@ -24,6 +24,7 @@
 #include "common/mma.cuh"
 #include "common/params.h"
 #include "common/seqinfo.h"
+#include "fa3/fa3_fwd_fp8.h"
 #include "fa3/fa3_fwd_mainloop.h"
 #include "fa3/fa3_item.h"
 #include "fa3/fa3_scheduler.h"
@@ -52,15 +53,17 @@ template <class Tr>
 struct FwdEpilogue {
   using Element = typename Tr::Element;
   using Raw = typename Tr::Raw;
+  using Out = typename Tr::Out;  // O's element: Element, bf16 for FP8
+  using RowSoftmax = typename Tr::RowSoftmax;
   using Mainloop = FwdMainloop<Tr>;
   using PipelineState = typename Tr::PipelineState;
   static constexpr int kHeadDim = Tr::kHeadDim;
   static constexpr bool kStageO = Tr::kStageO;
-  static constexpr bool kDeferStores = Tr::kQBufs == 2;
+  static constexpr bool kDeferStores = Tr::kDeferO;
 
   int cw, wg_tid, quad;
   uint32_t o_pack[2][kHeadDim / 32][4];  // per row, this lane's 8 columns of 4 blocks
-  Element* o_dst[2];  // this lane's first column in each of its rows; nullptr: past the rows
+  Out* o_dst[2];  // this lane's first column in each of its rows; nullptr: past the rows
   float* lse_dst[2];  // nullptr: past the rows, or not quad 0 (which writes the row's lse)
   float lse_val[2];
   bool pending = false;
@@ -89,7 +92,7 @@ struct FwdEpilogue {
   // consumer may stage its O: keep the named barriers' turns.
   template <class AccO>
   __device__ __forceinline__ void no_keys(const FwdParams& p, const Item& it, AccO& acc_o,
-                                          Softmax<2>& softmax) {
+                                          RowSoftmax& softmax) {
     flush(p);
     clear(acc_o);
     for (int mi = 0; mi < 2; ++mi) softmax.row_sum[mi] = 0.f;
@@ -110,7 +113,7 @@ struct FwdEpilogue {
   template <class AccO>
   __device__ __forceinline__ bool merge(const FwdParams& p, Mainloop& ml,
                                        const StreamKScheduler& sched, int i, AccO& acc_o,
-                                       Softmax<2>& softmax) {
+                                       RowSoftmax& softmax) {
     if (i < sched.lattice) return true;  // a whole item
     const int kt = sched.key_tiles, first_unit = (i - sched.lattice) * kt;
     const int w_lo = sched.worker_of(first_unit), w_hi = sched.worker_of(first_unit + kt - 1);
@@ -202,7 +205,7 @@ struct FwdEpilogue {
   __device__ __forceinline__ void store(const FwdParams& p, const Tma& tma, Mainloop& ml,
                                         const Item& it, bool walked, int wg_row0,
                                         const PipelineState& o_state, AccO& acc_o,
-                                        Softmax<2>& softmax) {
+                                        RowSoftmax& softmax) {
     Tensor acc_o_rc = make_tensor(acc_o.data(), rowcol(acc_o.layout()));
     typename Tr::MmaO mma_o;
     Tensor cO = mma_o.get_thread_slice(wg_tid).partition_C(
@@ -210,7 +213,12 @@ struct FwdEpilogue {
     Tensor cO_rc = make_tensor(cO.data(), rowcol(cO.layout()));
     const flash::SeqInfo seq(p, it.batch);
     float lse[2];
-    softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);  // O stays 0 if no key
+    if constexpr (Tr::kFp8) {  // the item's scale, and v_descale with 1 / l
+      const Fp8Scales scales = fp8_scales(p, it.batch, it.head_k);
+      softmax.finalize(acc_o_rc, scales.scale_log2, scales.v, lse);
+    } else {
+      softmax.finalize(acc_o_rc, p.softmax_scale_log2, 1.f, lse);  // O stays 0 if no key
+    }
     if constexpr (kStageO) {
       if (walked) {
         if (p.cu_seqlens_q == nullptr) {
@@ -222,7 +230,7 @@ struct FwdEpilogue {
         skip(ml, o_state);
       }
     }
-    Element* o = static_cast<Element*>(p.o) + seq.o_offset(p, it.head);
+    Out* o = static_cast<Out*>(p.o) + seq.o_offset(p, it.head);
     // Variable-length: rows from seqused_q to the sequence's end take no part (O 0, lse +inf);
     // dense, both are seqlen_q.
     const int used_q = it.seqlen_q, rows_q = seq.rows_q(p);

@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const flash::Mask mask(p, it.seqlen_q, it.seqlen_k);
     const int wg_row0 = it.row0 + 64 * cw;
     const flash::KeyTiles tiles = mainloop.consumer_tiles(mask, it.tiles, wg_row0, state);
-    Softmax<2> softmax;
+    typename Tr::RowSoftmax softmax;
     bool output = true;  // stream-K: false where another piece of the item writes its O
     if (!tiles.empty()) {
       mainloop.mma(p, seq, mask, it, tiles, qb, cw, wg_row0, state, o_state, acc_o, softmax,

@@ -71,12 +71,25 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
     }
   };
   auto tma_k = kv_tma(p.k, p.k_strides);
-  auto tma_v = kv_tma(p.v, p.v_strides);
+  // FP8: V^T (head_dim, keys, heads_k, batch) in the workspace, keys contiguous
+  // (fa3_fwd_fp8.h), written by fwd_fp8_vt just before the kernel.
+  Element* vt = reinterpret_cast<Element*>(static_cast<char*>(p.workspace) + plan.vt_offset);
+  auto tma_v = [&] {
+    if constexpr (Tr::kFp8) {
+      const int64_t keys = plan.vt_keys, head = keys * p.head_dim;
+      auto g = make_tensor(make_gmem_ptr(static_cast<const Element*>(vt)),
+                           make_shape(p.head_dim, int(keys), p.heads_k, p.batch),
+                           make_stride(keys, _1{}, head, head * p.heads_k));
+      return make_tma_copy(SM90_TMA_LOAD{}, g, take<0, 2>(typename Tr::SmemV{}));
+    } else {
+      return kv_tma(p.v, p.v_strides);
+    }
+  }();
   // O: stored from shared memory in 64 x 64 boxes where the kernel stages it (kStageO).
   auto tma_o = [&] {
     if constexpr (Tr::kStageO) {
       return make_tma_copy(SM90_TMA_STORE{},
-                           tensor(static_cast<Element*>(p.o), p.o_strides, rows_q, p.heads,
+                           tensor(static_cast<typename Tr::Out*>(p.o), p.o_strides, rows_q, p.heads,
                                   SeqInfo::view_batch(p)),
                            typename Tr::SmemOBox{});
     } else {
@@ -130,6 +143,17 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
     sched.counter = static_cast<unsigned*>(p.workspace);
   }
   FLASH_CHECK_CUDA(cudaMemsetAsync(p.workspace, 0, plan.zero_bytes, stream));
+  if constexpr (Tr::kFp8) {
+    if (plan.vt_keys != fp8_vt_keys(p.seqlen_k) || p.cu_seqlens_q != nullptr || p.kv_cache ||
+        p.block_table != nullptr) {
+      throw std::runtime_error("flash_attn: fa3 forward: an FP8 call that is not a dense one, "
+                               "or a plan without V^T");
+    }
+    const dim3 grid(unsigned((plan.vt_keys + 63) / 64), unsigned(p.heads_k), unsigned(p.batch));
+    fwd_fp8_vt<Tr::kHeadDim><<<grid, 256, 0, stream>>>(p, reinterpret_cast<uint8_t*>(vt),
+                                                       int(plan.vt_keys));
+    FLASH_CHECK_LAUNCH();
+  }
   if constexpr (Tr::kClusterM > 1) {
     // As many clusters as run at once (or fewer items).
     cudaLaunchConfig_t config = {};
@@ -163,7 +187,7 @@ using TileTraits = FwdTraits<T, kHeadDim, kTile.block_n, kTile.stages, kScoreMod
 
 template <typename T, int kHeadDim, bool kScoreMod>
 struct FwdKernels {
-  static constexpr HeadDimTiles kTiles = fwd_tiles(kHeadDim);
+  static constexpr HeadDimTiles kTiles = fwd_tiles(kHeadDim, sizeof(T) == 1);
   static constexpr TileShape kWide = kTiles.wide, kNarrow = kTiles.narrow,
                              kStreamK = kTiles.stream_k;
 
@@ -200,7 +224,13 @@ struct FwdKernels {
 // plain kernels. Masks and windows are runtime fields.
 template <typename T, int kHeadDim>
 void run_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
-  if (plan.score_mod) {
+  if constexpr (sizeof(T) == 1) {  // FP8: no score mod (fwd_unsupported)
+    if (plan.score_mod || !p.fp8) {
+      throw std::runtime_error("flash_attn: fa3 forward: an FP8 kernel given a score mod, or "
+                               "params not marked fp8");
+    }
+    FwdKernels<T, kHeadDim, false>::run(p, plan, stream);
+  } else if (plan.score_mod) {
     FwdKernels<T, kHeadDim, true>::run(p, plan, stream);
   } else {
     FwdKernels<T, kHeadDim, false>::run(p, plan, stream);

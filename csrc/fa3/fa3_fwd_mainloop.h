@@ -24,6 +24,7 @@
 #include "common/params.h"
 #include "common/score_mod.h"
 #include "common/seqinfo.h"
+#include "fa3/fa3_fwd_fp8.h"
 #include "fa3/fa3_fwd_paged.h"
 #include "fa3/fa3_item.h"
 #include "fa3/fa3_scheduler.h"
@@ -40,6 +41,7 @@ struct FwdMainloop {
   using Pipeline = typename Tr::Pipeline;
   using PipelineState = typename Tr::PipelineState;
   using SharedStorage = typename Tr::SharedStorage;
+  using RowSoftmax = typename Tr::RowSoftmax;
   using Paged = PagedKV<Tr>;
   static constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   static constexpr int kQBufs = Tr::kQBufs;
@@ -112,9 +114,17 @@ struct FwdMainloop {
     const int batches_k = SeqInfo::view_batch_k(p);
     Tensor mK = tma.k.get_tma_tensor(
         make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches_k));
-    Tensor mV = tma.v.get_tma_tensor(
-        make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches_k));
-    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemKV{});
+    // FP8: V^T (head_dim, keys, heads_k, batch), fwd_fp8_vt's (dense calls only).
+    Tensor mV = [&] {
+      if constexpr (Tr::kFp8) {
+        return tma.v.get_tma_tensor(
+            make_shape(p.head_dim, int(fp8_vt_keys(p.seqlen_k)), p.heads_k, p.batch));
+      } else {
+        return tma.v.get_tma_tensor(
+            make_shape(SeqInfo::view_rows_k(p), p.head_dim, p.heads_k, batches_k));
+      }
+    }();
+    Tensor sV = make_tensor(make_smem_ptr(shared.v.data()), typename Tr::SmemV{});
     auto state = cutlass::make_producer_start_state<Pipeline>();
     auto kv_tma = [](auto const& tma_kv, uint64_t& full) {
       if constexpr (Tr::kClusterM > 1) {
@@ -151,8 +161,15 @@ struct FwdMainloop {
                              make_coord(it.m_block, 0));
       Tensor gK = local_tile(seq.k_rows(p, mK, it.head_k),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
-      Tensor gV = local_tile(seq.k_rows(p, mV, it.head_k),
-                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+      Tensor gV = [&] {
+        if constexpr (Tr::kFp8) {
+          return local_tile(mV(_, _, it.head_k, it.batch), Shape<Int<kHeadDim>, Int<kBlockN>>{},
+                            make_coord(0, _));
+        } else {
+          return local_tile(seq.k_rows(p, mV, it.head_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                            make_coord(_, 0));
+        }
+      }();
       auto [tQg, tQs] = tma_partition(tma.q, Int<0>{}, Layout<_1>{},
                                       group_modes<0, 2>(sQ(_, _, qb)), group_modes<0, 2>(gQ));
       // (global, shared) pairs, not structured bindings: the loaders' lambdas capture them.
@@ -319,7 +336,7 @@ struct FwdMainloop {
   __device__ __forceinline__ void zero_tails(const FwdParams& p, const flash::Mask& mask,
                                              int n, PipelineState& st, int wg_row0, int qb,
                                              int cw) {
-    if (p.cu_seqlens_q == nullptr && !p.kv_cache) return;
+    if (Tr::kFp8 || (p.cu_seqlens_q == nullptr && !p.kv_cache)) return;  // FP8: dense only
     const int q_valid = max(mask.seqlen_q - wg_row0, 0), v_valid = mask.seqlen_k - n * kBlockN;
     if (q_valid >= 64 && v_valid >= kBlockN) return;
     constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks of a row: contiguous under the swizzle
@@ -354,7 +371,7 @@ struct FwdMainloop {
                                       const flash::Mask& mask, const Item& it,
                                       const flash::KeyTiles& tiles, int qb, int cw, int wg_row0,
                                       PipelineState& state, PipelineState& o_state, AccO& acc_o,
-                                      Softmax<2>& softmax, Epilogue& epi) {
+                                      RowSoftmax& softmax, Epilogue& epi) {
     const int wg_tid = threadIdx.x % 128;
     typename Tr::MmaS mma_s;
     typename Tr::MmaO mma_o;
@@ -371,6 +388,16 @@ struct FwdMainloop {
     Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<_64, Int<kBlockN>>{}));
     Tensor cS_rc = make_tensor(cS.data(), rowcol(cS.layout()));
     const flash::ScoreMod score_mod(p, seq, it.head);
+    // The softmax scale: FP8's folds the item's q and k descales (fa3_fwd_fp8.h).
+    float fp8_scale_log2 = 0.f;
+    if constexpr (Tr::kFp8) fp8_scale_log2 = fp8_scales(p, it.batch, it.head_k).scale_log2;
+    auto scale_log2 = [&]() __attribute__((always_inline)) {
+      if constexpr (Tr::kFp8) {
+        return fp8_scale_log2;
+      } else {
+        return p.softmax_scale_log2;
+      }
+    };
 
     Tensor acc_s = partition_fragment_C(mma_s, Shape<_64, Int<kBlockN>>{});  // (MMA, M, N)
     Tensor s_rc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));          // (rows, cols)
@@ -419,9 +446,23 @@ struct FwdMainloop {
         pipe_k.consumer_release(state);
         if (kEarlyRelease && n == tiles.begin) release_q(qb);
         scores(n, masked);
-        softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, p.softmax_scale_log2);
-        Tensor rP = flash::convert_fragment<Element>(acc_s);
-        Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+        softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, scale_log2());
+        auto rP = [&] {
+          if constexpr (Tr::kFp8) {
+            Tensor r = make_tensor<uint32_t>(PWordsFp8<kBlockN>{});
+            convert_p_fp8(acc_s, r);
+            return r;
+          } else {
+            return flash::convert_fragment<Element>(acc_s);
+          }
+        }();
+        Tensor tOrP = [&] {
+          if constexpr (Tr::kFp8) {
+            return p_operand_fp8<Element, kBlockN>(rP);
+          } else {
+            return make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+          }
+        }();
         pipe_v.consumer_wait(state);
         if constexpr (decltype(first)::value) forget(acc_o);
         wgmma(mma_o, tOrP, tOrVt(_, _, _, state.index()), acc_o, decltype(first)::value);
@@ -444,8 +485,20 @@ struct FwdMainloop {
     //
     // Staged epilogue (kStageO): consumer 1 holds its release of the item's last K stage and
     // consumer 0 of the last V stage; the epilogue writes O there (fa3_fwd_epilogue.h).
-    Tensor rP = make_tensor<Element>(acc_s.layout());
-    Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+    Tensor rP = [&] {
+      if constexpr (Tr::kFp8) {
+        return make_tensor<uint32_t>(PWordsFp8<kBlockN>{});
+      } else {
+        return make_tensor<Element>(acc_s.layout());
+      }
+    }();
+    Tensor tOrP = [&] {
+      if constexpr (Tr::kFp8) {
+        return p_operand_fp8<Element, kBlockN>(rP);
+      } else {
+        return make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+      }
+    }();
     PipelineState prev;
     bool o_zero = true;  // the item's first P V
     auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
@@ -471,9 +524,9 @@ struct FwdMainloop {
       float correction[2], tile_sum[2];
       bool fix;  // a vote of the warp: rescale O (FA2's step) or settle (the lazy one)
       if constexpr (kLazy) {
-        fix = softmax.exponentiate(s_rc, p.softmax_scale_log2, tile_sum);
+        fix = softmax.exponentiate(s_rc, scale_log2(), tile_sum);
       } else {
-        fix = softmax.template online<kFirst, /*kBranch=*/false>(s_rc, p.softmax_scale_log2,
+        fix = softmax.template online<kFirst, /*kBranch=*/false>(s_rc, scale_log2(),
                                                                   correction);
       }
       if constexpr (!kFirst) {
@@ -485,7 +538,7 @@ struct FwdMainloop {
           warpgroup_wait<0>();
           if constexpr (kLazy) {
             if (fix) {
-              softmax.settle(s_rc, acc_o_rc, p.softmax_scale_log2, tile_sum,
+              softmax.settle(s_rc, acc_o_rc, scale_log2(), tile_sum,
                              [&](auto& s) { rescore(s, n); });
             }
             softmax.accumulate(tile_sum);
@@ -495,7 +548,11 @@ struct FwdMainloop {
         }
         pipe_v.consumer_release(prev);
       }
-      copy(flash::convert_fragment<Element>(acc_s), rP);
+      if constexpr (Tr::kFp8) {
+        convert_p_fp8(acc_s, rP);
+      } else {
+        copy(flash::convert_fragment<Element>(acc_s), rP);
+      }
       if constexpr (kFirst) forget(acc_o);  // the next P V is the item's first (o_zero)
       prev = state;
       ++state;

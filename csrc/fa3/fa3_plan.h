@@ -50,7 +50,25 @@ constexpr TileShape kSerial128x2{128, 2, 2, Schedule::kSerial};
 // - hdim 192 / 256: two consumers (O alone is 96 / 128 registers), overlap, the widest
 //   two-stage kBlockN (112 / 80; needs CuTe's extended WGMMA shapes); overlap over serial
 //   +6..10% at hdim 256. hdim 256 full attention in clusters of two: +2.5..3.3% from 2k.
-constexpr HeadDimTiles fwd_tiles(int kernel_hdim) {
+// FP8 (e4m3): one tile per head dim, kBlockN 128 keys: a K / V tile row is 128 bytes, the
+// widest swizzle, and V's transpose (fwd_fp8_vt, keys contiguous: FP8 WGMMA reads both operands
+// K-major) is one 128-byte row per head-dim column. Half the bytes of a 16-bit tile, so hdim 64
+// has room for four stages; hdim 256 keeps two consumers (O alone is 128 registers).
+constexpr HeadDimTiles fwd_tiles_fp8(int kernel_hdim) {
+  switch (kernel_hdim) {
+    case 64:
+      return {{128, 4, 3, Schedule::kSerial}, {}, 0, false, 1, {}};
+    case 128:
+      return {{128, 3, 3, Schedule::kSerial}, {}, 0, false, 1, {}};
+    case 256:
+      return {{128, 2, 2, Schedule::kOverlap}, {}, 0, false, 1, {}};
+    default:
+      return {};
+  }
+}
+
+constexpr HeadDimTiles fwd_tiles(int kernel_hdim, bool fp8 = false) {
+  if (fp8) return fwd_tiles_fp8(kernel_hdim);
   switch (kernel_hdim) {
     case 64:
       return {{128, 3, 3, Schedule::kSerial}, {192, 2, 2, Schedule::kSerial}, 115, true, 1,
@@ -89,7 +107,17 @@ struct FwdPlan {
   // published pieces); the launcher zeroes its first zero_bytes on the stream.
   int64_t workspace_bytes = 0, zero_bytes = 0;
   int head_group = 0;  // the tile order's heads per group; 0: automatic (Tuning::head_group)
+  // FP8: V transposed per (batch, KV head) into (head_dim, keys) rows for the kernel
+  // (fwd_fp8_vt), keys padded to vt_keys, at this byte offset of the workspace.
+  int64_t vt_offset = 0, vt_keys = 0;
 };
+
+// FP8's V^T: keys padded to a multiple of this (the P fragment's key order repeats every 16
+// keys, fa3_fwd_fp8.h).
+constexpr int kFp8KeyGroup = 16;
+constexpr int64_t fp8_vt_keys(int64_t seqlen_k) {
+  return (seqlen_k + kFp8KeyGroup - 1) / kFp8KeyGroup * kFp8KeyGroup;
+}
 
 // Stream-K's workspace for `ctas` workers of `consumers` warpgroups at head dim `hdim`, in
 // 4-byte words: the scheduler's counter (64 words), per CTA and consumer a count, and two
@@ -203,8 +231,18 @@ inline FwdPlan size_plan(const FwdParams& p, int kernel_hdim, FwdPlan plan,
 // 192, 256). p needs its sizes, mask, score mods and num_sms.
 inline FwdPlan plan_fwd(const FwdParams& p, int kernel_hdim, const Tuning& tuning = {}) {
   using namespace plan_detail;
-  const HeadDimTiles t = fwd_tiles(kernel_hdim);
+  const HeadDimTiles t = fwd_tiles(kernel_hdim, p.fp8);
   FwdPlan plan;
+  if (p.fp8) {
+    // One kernel (dense calls, no score mod: fwd_unsupported), and V^T after the counter.
+    plan.tile = t.wide;
+    plan = size_plan(p, kernel_hdim, plan, tuning);
+    plan.vt_keys = fp8_vt_keys(p.seqlen_k);
+    plan.vt_offset = 1024;
+    plan.workspace_bytes =
+        plan.vt_offset + int64_t(p.batch) * p.heads_k * p.head_dim * plan.vt_keys;
+    return plan;
+  }
   plan.score_mod = p.softcap > 0.f || p.alibi_slopes != nullptr;
   plan.tile = t.wide;
   // Variable-length batches (sizes: the longest sequence's) and KV caches (seqlen_k: the

@@ -25,16 +25,17 @@
 
 namespace flash::fa3 {
 
-template <int kRows>
-struct Softmax : flash::Softmax<kRows> {
-  using Base = flash::Softmax<kRows>;
+template <int kRows, int kPOffset = 0>
+struct Softmax : flash::Softmax<kRows, kPOffset> {
+  using Base = flash::Softmax<kRows, kPOffset>;
   using Base::row_max;
   using Base::row_sum;
   static constexpr float kSettleSum = 256.f;  // 2^kRescaleLog2
   // The largest P that settle() rescales: its correction, 1 / P, must stay a normal float
   // (ex2.approx.ftz and the multiplies flush denormals to 0). Beyond it, or at inf, rescore.
   static constexpr float kMaxRescale = 0x1p120f;
-  static_assert(kSettleSum == float(1 << int(Base::kRescaleLog2)));
+  // The lazy step (exponentiate, settle) is for kPOffset 0 only (FwdTraits::kLazySteps).
+  static_assert(kPOffset != 0 || kSettleSum == float(1 << int(Base::kRescaleLog2)));
 
   // P = exp2(S * scale_log2 - m * scale_log2) against the running max m, in place in s;
   // tile_sum gets this lane's partial row sums (added to the state by accumulate()). Returns

@@ -54,17 +54,18 @@ def extension():
 _ALIGN = 8
 
 
-def kernel_layout(t: torch.Tensor) -> torch.Tensor:
+def kernel_layout(t: torch.Tensor, align: int = _ALIGN) -> torch.Tensor:
     """``t`` itself when the kernels can read it (last dim contiguous, every other stride and the
-    storage offset 16-byte aligned), else a contiguous copy. Strided views such as qkv[:, :, 0]
-    pass through without a copy. Called inside the op implementations: dynamo cannot trace
-    storage_offset(), and there the check costs nothing under torch.compile."""
-    if t.is_contiguous() and t.shape[-1] % _ALIGN == 0 and t.storage_offset() % _ALIGN == 0:
+    storage offset multiples of ``align`` elements: 16 bytes of a 16-bit type), else a
+    contiguous copy. Strided views such as qkv[:, :, 0] pass through without a copy. Called
+    inside the op implementations: dynamo cannot trace storage_offset(), and there the check
+    costs nothing under torch.compile."""
+    if t.is_contiguous() and t.shape[-1] % align == 0 and t.storage_offset() % align == 0:
         return t  # every stride a multiple of the last dim (the common case, checked cheaply)
     if t.stride(-1) != 1:
         return t.contiguous()
-    aligned = t.storage_offset() % _ALIGN == 0 and all(
-        stride % _ALIGN == 0 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1)
+    aligned = t.storage_offset() % align == 0 and all(
+        stride % align == 0 for size, stride in zip(t.shape[:-1], t.stride()[:-1]) if size > 1)
     return t if aligned else t.clone(memory_format=torch.contiguous_format)
 
 
@@ -494,6 +495,49 @@ def kvcache_attention(*args):
     if _needs_registered_op(args[:8] + args[9:12] + args[18:19]):  # the Tensor? arguments
         return torch.ops.flash_attn.kvcache_fwd(*args)
     return run_kvcache_fwd(*args)
+
+
+# ---- FP8 forward ------------------------------------------------------------------------------
+
+@torch.library.custom_op(
+    "flash_attn::fp8_fwd", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? q_descale, Tensor? k_descale, "
+           "Tensor? v_descale, float softmax_scale, bool causal, int window_left, "
+           "int window_right, str backend, str tuning=\"\") -> (Tensor out, Tensor lse)")
+def fp8_fwd(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, window_left,
+            window_right, backend, tuning=""):
+    return run_fp8_fwd(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal,
+                       window_left, window_right, backend, tuning)
+
+
+def run_fp8_fwd(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, window_left,
+                window_right, backend, tuning=""):
+    """flash_attn::fp8_fwd's computation: e4m3 q / k / v (rows of 16-byte units), float32
+    (batch, nheads_k) descales or None; out bf16, lse float32 (batch, nheads, seqlen_q)."""
+    if q.numel() == 0 or k.shape[1] == 0:
+        batch, seqlen_q, nheads, _ = q.shape
+        out = q.new_zeros(q.shape, dtype=torch.bfloat16)
+        lse = q.new_full((batch, nheads, seqlen_q), math.inf, dtype=torch.float32)
+        return out, lse
+    q, k, v = (kernel_layout(t, 16) for t in (q, k, v))
+    return extension().fp8_fwd(q, k, v, q_descale, k_descale, v_descale, None, None,
+                               softmax_scale, causal, window_left, window_right, backend, tuning)
+
+
+@fp8_fwd.register_fake
+def _fp8_fwd_fake(q, k, v, q_descale, k_descale, v_descale, softmax_scale, causal, window_left,
+                  window_right, backend, tuning=""):
+    batch, seqlen_q, nheads, _ = q.shape
+    return (q.new_empty(q.shape, dtype=torch.bfloat16),
+            q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
+
+
+def fp8_attention(*args):
+    """(out, lse) as ``torch.ops.flash_attn.fp8_fwd(*args)`` where something must see through
+    the call (``attention``'s rule); plain eager calls skip its dispatch."""
+    if _needs_registered_op(args[:6]):
+        return torch.ops.flash_attn.fp8_fwd(*args)
+    return run_fp8_fwd(*args)
 
 
 # ---- the dropout mask a forward used (for return_attn_probs) ---------------------------------

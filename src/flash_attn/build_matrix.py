@@ -18,9 +18,10 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping
 
-DTYPES = ("fp16", "bf16")
-# C++ element type of each dtype name, as the kernels spell it.
-CXX_TYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
+DTYPES = ("fp16", "bf16", "e4m3")
+# C++ element type of each dtype name, as the kernels spell it. e4m3: FP8 (float8_e4m3fn), a
+# forward of its own (Family.fp8_hdims).
+CXX_TYPE = {"fp16": "__half", "bf16": "__nv_bfloat16", "e4m3": "__nv_fp8_e4m3"}
 
 # Archs whose machine code a default build contains: Turing, Ampere, Hopper. sm80 SASS does not
 # run on sm90, so each target gets its own. A default build also carries PTX, which a GPU newer
@@ -62,6 +63,9 @@ class Family:
     # (its launcher's smallest variant). A GPU that allows less cannot run that backward. Empty:
     # any GPU of its archs can.
     bwd_smem: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    # FP8 (e4m3 q / k / v, bf16 out): the head dims of its forward kernels, on its min_arch;
+    # dense calls with causal / local masks and GQA (flash_attn/fp8.py). Empty: none.
+    fp8_hdims: tuple[int, ...] = ()
 
     @property
     def backward_hdims(self) -> tuple[int, ...]:
@@ -70,6 +74,10 @@ class Family:
     @property
     def max_hdim(self) -> int:
         return self.hdims[-1]
+
+    def dtype_arch(self, dtype: str) -> int:
+        """The oldest GPU that runs its kernels of ``dtype`` (e4m3: its min_arch)."""
+        return max(self.min_arch, self.dtype_min_arch.get(dtype, 0))
 
 
 FAMILIES: dict[str, Family] = {
@@ -117,6 +125,7 @@ FAMILIES: dict[str, Family] = {
         max_arch=90,
         bwd_family="fa2",
         bwd_features=frozenset({"causal", "gqa", "local", "softcap", "alibi", "varlen"}),
+        fp8_hdims=(64, 128, 256),
     ),
 }
 
@@ -173,11 +182,12 @@ def _env_list(env: Mapping[str, str], key: str) -> list[str] | None:
 
 def all_configs() -> list[Config]:
     return sorted(
-        Config(f.name, direction, dtype, hdim)
-        for f in FAMILIES.values()
-        for direction in f.directions
-        for dtype in f.dtype_min_arch
-        for hdim in (f.backward_hdims if direction == "bwd" else f.hdims)
+        [Config(f.name, direction, dtype, hdim)
+         for f in FAMILIES.values()
+         for direction in f.directions
+         for dtype in f.dtype_min_arch
+         for hdim in (f.backward_hdims if direction == "bwd" else f.hdims)]
+        + [Config(f.name, "fwd", "e4m3", hdim) for f in FAMILIES.values() for hdim in f.fp8_hdims]
     )
 
 
@@ -414,7 +424,7 @@ def write_sources(out_dir: str | os.PathLike, configs: Iterable[Config], archs: 
         paths.append(str(path))
     lines = [_TABLE_HEADER]
     for c in configs:
-        min_arch = max(FAMILIES[c.family].min_arch, FAMILIES[c.family].dtype_min_arch[c.dtype])
+        min_arch = FAMILIES[c.family].dtype_arch(c.dtype)
         max_arch = FAMILIES[c.family].max_arch or 0
         lines.append(f"FLASH_CONFIG({c.family}, {c.direction}, {CXX_TYPE[c.dtype]}, {c.dtype}, "
                      f"{c.hdim}, {min_arch}, {max_arch})\n")

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 # _ops registers torch.ops.flash_attn and holds the eager path to the same kernels.
-from . import _dispatch, _ops, _validate, reference
+from . import _dispatch, _ops, _validate, fp8, reference
 
 
 def _positive_scale(q, softmax_scale):
@@ -47,7 +47,16 @@ def _kernel_inputs(q, k, v, head_dim):
 
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, backend, names, tuning=None):
+               deterministic, return_attn_probs, backend, names, tuning=None, q_descale=None,
+               k_descale=None, v_descale=None, out_dtype=None):
+    if fp8.is_fp8(q, k, v) or q_descale is not None or k_descale is not None or \
+            v_descale is not None:
+        return fp8.attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, return_attn_probs, backend, names, tuning, q_descale,
+                             k_descale, v_descale, out_dtype)
+    if out_dtype is not None and out_dtype != q.dtype:
+        raise ValueError(f"out_dtype={out_dtype}: a {q.dtype} call writes its output in "
+                         f"{q.dtype}; out_dtype is for FP8 inputs")
     call = _validate.validate_call(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                                    causal=causal, window_size=window_size, softcap=softcap,
                                    alibi_slopes=alibi_slopes, names=names)
@@ -107,6 +116,7 @@ def _attn_probs(q, k, call, softcap, alibi_slopes, dropout_p, rng_state):
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, backend: Optional[str] = None,
+                    q_descale=None, k_descale=None, v_descale=None, out_dtype=None,
                     _tuning: Optional[dict] = None):
     """Scaled dot-product attention, flash_attn 2.x semantics.
 
@@ -132,13 +142,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     the attention probabilities before dropout, negated where dropout dropped them. S_dmask is
     for testing only (as in 2.x): it materialises seqlen_q x seqlen_k, computed in PyTorch.
 
+    FP8 (sm90, fa3, forward only): torch.float8_e4m3fn q, k, v with keyword-only float32
+    ``q_descale`` / ``k_descale`` / ``v_descale`` of shape (batch, nheads_k) (None: 1; the real
+    Q is q.float() * q_descale); the output is bfloat16 (``out_dtype``: bfloat16 only so far).
+    See ``flash_attn.fp8``.
+
     ``_tuning`` is private: overrides of the kernels' automatic choices (a dict such as
     ``{"fa3_narrow": 0}``; csrc/common/tuning.h lists them) for tests and A/B benchmarks. No
     promise is made about it across versions.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, backend, ("q", "k", "v"),
-                      _tuning)
+                      _tuning, q_descale, k_descale, v_descale, out_dtype)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,

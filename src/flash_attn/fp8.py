@@ -1,0 +1,123 @@
+"""FP8 attention on Hopper: ``flash_attn_func`` with ``torch.float8_e4m3fn`` q, k, v runs fa3's
+e4m3 forward (sm90), with per-(batch, KV head) descales and a bf16 output.
+
+The real Q is ``q.float() * q_descale[b, h_k]`` (likewise K and V): ``q_descale``, ``k_descale``,
+``v_descale`` are positive float32 ``(batch, nheads_k)`` tensors (anything that broadcasts to
+that shape; None: 1). Forward only: an FP8 input that requires grad raises. So far the kernels take dense
+calls with causal / local masks and GQA, head dims that are multiples of 16 up to 256; softcap,
+ALiBi, dropout and the variable-length and KV-cache entry points raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _dispatch, _ops, _validate, build_matrix
+
+FP8_DTYPE = torch.float8_e4m3fn
+# The kernels move rows in 16-byte vectors (TMA): 16 e4m3 elements.
+FP8_ALIGN = 16
+
+
+def is_fp8(*tensors) -> bool:
+    """Whether any of ``tensors`` is an FP8 tensor (the call takes the FP8 path)."""
+    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.float8_e4m3fn,
+                                                          torch.float8_e5m2)
+               for t in tensors)
+
+
+def _check_descale(name: str, d, batch: int, nheads_k: int, device: torch.device):
+    if d is None:
+        return
+    _validate.check_is_tensor(name, d)
+    if d.dtype != torch.float32:
+        raise TypeError(f"{name} must be torch.float32, got {d.dtype}")
+    if d.device != device:
+        raise ValueError(f"{name} is on {d.device} but q is on {device}")
+    try:
+        fits = torch.broadcast_shapes(tuple(d.shape), (batch, nheads_k)) == (batch, nheads_k)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} must be (batch, nheads_k) = ({batch}, {nheads_k}) or broadcast "
+                         f"to it, got shape {tuple(d.shape)}")
+
+
+def _check_fp8_call(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap,
+                    alibi_slopes, q_descale, k_descale, v_descale, out_dtype, names):
+    for name, t in zip(names, (q, k, v)):
+        _validate.check_is_tensor(name, t)
+    _validate.check_device(names[0], q.device)
+    _validate.check_same_device(names, [t.device for t in (q, k, v)])
+    for name, t in zip(names, (q, k, v)):
+        if t.dtype != FP8_DTYPE:
+            raise TypeError(f"{name} has dtype {t.dtype}; an FP8 call takes torch.float8_e4m3fn "
+                            f"q, k and v ({', '.join(f'{n}: {x.dtype}' for n, x in zip(names, (q, k, v)))})")
+    shapes = _validate.check_shapes(q.shape, k.shape, v.shape, names)
+    if shapes.head_dim % FP8_ALIGN != 0:
+        raise ValueError(f"{names[0]} has head dim {shapes.head_dim}; FP8 needs a multiple of "
+                         f"{FP8_ALIGN} (16-byte rows) up to {_validate.MAX_HEAD_DIM}")
+    if out_dtype not in (None, torch.bfloat16):
+        raise NotImplementedError(f"out_dtype={out_dtype}: the FP8 forward writes "
+                                  f"torch.bfloat16 only so far")
+    for name, d in (("q_descale", q_descale), ("k_descale", k_descale),
+                    ("v_descale", v_descale)):
+        _check_descale(name, d, shapes.batch, shapes.nheads_k, q.device)
+    call = _validate.call_options(shapes, "e4m3", q.device, dropout_p=dropout_p,
+                                  softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, softcap=softcap,
+                                  alibi_slopes=alibi_slopes)
+    if not call.softmax_scale > 0:
+        raise NotImplementedError(f"softmax_scale={call.softmax_scale}: the FP8 forward takes a "
+                                  f"positive scale (and positive descales) only")
+    unsupported = sorted(call.features & {"softcap", "alibi", "dropout"})
+    if unsupported:
+        raise NotImplementedError(f"the FP8 forward does not support {', '.join(unsupported)} "
+                                  f"yet (supported: causal, local windows, GQA)")
+    return call
+
+
+def _select(call, device, backend) -> str:
+    """fa3, the one family with FP8 kernels, if this build and GPU run the call."""
+    requested = _dispatch.requested_backend(backend)
+    if requested not in (None, "fa3"):
+        raise ValueError(f"backend {requested!r} has no FP8 kernels; FP8 inputs run on 'fa3' "
+                         f"(sm90)")
+    arch = _dispatch.device_arch(device)
+    if arch != 90:
+        raise RuntimeError(f"{device} is sm{arch}; the FP8 forward runs on sm90 (Hopper) only")
+    hdim = -(-call.shapes.head_dim // 8) * 8
+    kernel = next((h for h in build_matrix.FAMILIES["fa3"].fp8_hdims if h >= hdim), None)
+    built = _dispatch.built_configs()
+    if kernel is None or not any(c.family == "fa3" and c.direction == "fwd" and
+                                 c.dtype == "e4m3" and c.hdim == kernel for c in built):
+        raise RuntimeError(f"this build has no fa3 e4m3 forward kernel for head dim "
+                           f"{call.shapes.head_dim}; FP8 kernels exist for head dims "
+                           f"{build_matrix.FAMILIES['fa3'].fp8_hdims} (build with "
+                           f"FLASH_ATTN_DTYPES including e4m3)")
+    return "fa3"
+
+
+def attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+              return_attn_probs, backend, names, tuning, q_descale, k_descale, v_descale,
+              out_dtype):
+    """flash_attn_func's path for FP8 inputs (flash_attn_interface._attention)."""
+    call = _check_fp8_call(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                           causal=causal, window_size=window_size, softcap=softcap,
+                           alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale,
+                           v_descale=v_descale, out_dtype=out_dtype, names=names)
+    for name, t in zip(names, (q, k, v)):
+        if t.requires_grad:
+            raise RuntimeError(f"{name} requires grad; the FP8 forward has no backward (FP8 "
+                               f"attention is for inference)")
+    family = _select(call, q.device, backend)
+    s = call.shapes
+    descales = tuple(None if d is None else d.expand(s.batch, s.nheads_k).contiguous()
+                     for d in (q_descale, k_descale, v_descale))
+    window_left, window_right = call.window
+    # softmax_scale > 0: validated (resolve_softmax_scale), as the kernels need.
+    out, lse = _ops.fp8_attention(q, k, v, *descales, call.softmax_scale, call.causal,
+                                  window_left, window_right, family, _ops.tuning_text(tuning))
+    return (out, lse, None) if return_attn_probs else out

@@ -1,0 +1,169 @@
+"""fa3's FP8 (e4m3) forward against the float64 truth, on sm90.
+
+The inputs are fresh random tensors quantised the way a caller would: one scale per (batch, KV
+head), amax / 448. The truth is attention over the dequantised inputs (q8 * q_descale, ...) in
+float64. The yardstick (``lowp``) is plain PyTorch at the kernel's precision: scores of the e4m3
+inputs in fp32, P rounded to e4m3 as the kernel rounds it (2^8 times the softmax's numerator,
+the row sums unrounded), P V in fp32, the output in bf16. The rule is test_fa*_gpu's:
+err(ours) <= 2 err(lowp) + ulp(bf16); lse within LSE_TOL; rows that see no key give out 0 and
+lse +inf. Outputs come from a poisoned allocator (_gpu_common).
+"""
+
+import importlib
+import math
+
+import pytest
+import torch
+
+import flash_attn
+from flash_attn.reference import attention_mask, attention_ref
+
+from _gpu_common import DEVICE, LSE_TOL, poison_allocator
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the FP8 forward runs on sm90 only")
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+def _skip_unless_built(head_dim):
+    padded = -(-head_dim // 8) * 8
+    have = [c for c in importlib.import_module("flash_attn._C").built_configs()
+            if c[0] == "fa3" and c[1] == "fwd" and c[2] == "e4m3" and c[3] >= padded]
+    if not have:
+        pytest.skip(f"this build has no fa3 e4m3 forward for head dim {head_dim}")
+
+
+def _quantize(x, heads_k):
+    """x (b, s, h, d) -> (e4m3 x / scale, scale (b, heads_k)), scale = amax / 448 per KV head."""
+    b, s, h, d = x.shape
+    amax = x.reshape(b, s, heads_k, h // heads_k, d).abs().amax(dim=(1, 3, 4)).clamp_min(1e-6)
+    scale = (amax / E4M3_MAX).float()
+    per_head = scale.repeat_interleave(h // heads_k, dim=1)[:, None, :, None]
+    return (x / per_head).to(E4M3), scale
+
+
+def _dequant(x8, scale):
+    b, s, h, d = x8.shape
+    per_head = scale.repeat_interleave(h // scale.shape[1], dim=1)[:, None, :, None]
+    return x8.double() * per_head.double()
+
+
+def _lowp(q8, k8, v8, descales, softmax_scale, causal, window):
+    """Plain PyTorch at the kernel's precision (module docstring)."""
+    qd, kd, vd = descales
+    b, sq, h, d = q8.shape
+    sk, hk = k8.shape[1], k8.shape[2]
+    g = h // hk
+    q = q8.float().transpose(1, 2)                                          # (b, h, sq, d)
+    k = k8.float().transpose(1, 2).repeat_interleave(g, dim=1)
+    v = v8.float().transpose(1, 2).repeat_interleave(g, dim=1)
+    s = q @ k.transpose(-1, -2)                                             # raw scores, fp32
+    scale = (softmax_scale * qd * kd).repeat_interleave(g, dim=1)[:, :, None, None]
+    visible = attention_mask(sq, sk, causal, window, device=q8.device)
+    s = torch.where(visible, s, -math.inf)
+    m = s.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp2((s - m) * scale * math.log2(math.e) + 8.0)               # <= 256
+    l = p.sum(dim=-1, keepdim=True)
+    p8 = p.to(E4M3).float()
+    o = (p8 @ v) / torch.where(l > 0, l, torch.ones_like(l))
+    o = o * vd.repeat_interleave(g, dim=1)[:, :, None, None]
+    return o.transpose(1, 2).to(torch.bfloat16)
+
+
+def _ulp(truth):
+    top = max(truth.abs().max().item(), 0.25)
+    return torch.finfo(torch.bfloat16).eps * 2.0 ** math.floor(math.log2(top))
+
+
+CASES = [
+    # (batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim)
+    (2, 113, 257, 4, 2, 128),
+    (1, 1024, 1024, 4, 4, 128),
+    (2, 300, 100, 6, 2, 128),   # seqlen_q > seqlen_k: causal rows that see no key
+    (1, 1, 1, 1, 1, 128),
+    (3, 129, 383, 2, 1, 64),
+    (1, 777, 1025, 4, 4, 64),
+    (2, 257, 191, 2, 2, 256),
+    (1, 640, 1100, 2, 1, 256),
+    (2, 97, 211, 4, 2, 80),     # head dim 80 on the 128 kernel
+    (1, 200, 333, 2, 2, 192),   # 192 on the 256 kernel
+]
+
+
+@pytest.mark.parametrize("window", [None, (64, 0), (100, 37)], ids=["nowin", "win64-0", "win100-37"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_fp8_forward(shape, causal, window):
+    b, sq, sk, h, hk, d = shape
+    if window is not None and (causal or sq < 100):
+        pytest.skip("windows: one mask at a time, on the longer shapes")
+    _skip_unless_built(d)
+    torch.manual_seed(hash((shape, causal, window)) % 2**31)
+    q = torch.randn(b, sq, h, d, device=DEVICE) * 2.0
+    k = torch.randn(b, sk, hk, d, device=DEVICE)
+    v = torch.randn(b, sk, hk, d, device=DEVICE) * 3.0
+    q8, qd = _quantize(q, hk)
+    k8, kd = _quantize(k, hk)
+    v8, vd = _quantize(v, hk)
+    scale = d ** -0.5
+    win = window or (-1, -1)
+    poison_allocator()
+    out, lse, _ = flash_attn.flash_attn_func(q8, k8, v8, causal=causal, window_size=win,
+                                             return_attn_probs=True, q_descale=qd,
+                                             k_descale=kd, v_descale=vd)
+    assert out.dtype == torch.bfloat16 and out.shape == (b, sq, h, d)
+    assert lse.dtype == torch.float32 and lse.shape == (b, h, sq)
+    truth, truth_lse = attention_ref(_dequant(q8, qd), _dequant(k8, kd), _dequant(v8, vd),
+                                     causal=causal, window_size=win, softmax_scale=scale,
+                                     return_lse=True)
+    lowp = _lowp(q8, k8, v8, (qd, kd, vd), scale, causal, win)
+    err = (out.double() - truth).abs().max().item()
+    err_lowp = (lowp.double() - truth).abs().max().item()
+    assert err <= 2 * err_lowp + _ulp(truth), (err, err_lowp)
+    empty = torch.isinf(truth_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert torch.all(out.transpose(1, 2)[empty] == 0)
+    diff = (lse.double() - truth_lse).abs()[~empty]
+    assert diff.numel() == 0 or (diff <= LSE_TOL * (1 + truth_lse.abs()[~empty])).all(), \
+        diff.max().item()
+
+
+def test_fp8_without_descales_and_strided_inputs():
+    """Descales left out (1), q a strided view (the frontend copies what TMA cannot read)."""
+    _skip_unless_built(128)
+    b, s, h, d = 2, 300, 4, 128
+    qkv = (torch.randn(b, s, 3, h, d, device=DEVICE) * 0.5).to(E4M3)
+    q8, k8, v8 = qkv.unbind(2)
+    poison_allocator()
+    out = flash_attn.flash_attn_func(q8, k8, v8, causal=True)
+    ones = torch.ones(b, h, device=DEVICE)
+    truth = attention_ref(_dequant(q8, ones), _dequant(k8, ones), _dequant(v8, ones),
+                          causal=True, softmax_scale=d ** -0.5)
+    lowp = _lowp(q8, k8, v8, (ones, ones, ones), d ** -0.5, True, (-1, -1))
+    err = (out.double() - truth).abs().max().item()
+    err_lowp = (lowp.double() - truth).abs().max().item()
+    assert err <= 2 * err_lowp + _ulp(truth), (err, err_lowp)
+
+
+def test_fp8_errors_leave_the_gpu_usable():
+    _skip_unless_built(128)
+    q8 = torch.randn(1, 64, 2, 128, device=DEVICE).to(E4M3)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        leaf = torch.randn(1, 64, 2, 128, device=DEVICE).to(E4M3).requires_grad_()
+        flash_attn.flash_attn_func(leaf, q8, q8)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flash_attn.flash_attn_func(q8, q8, q8, softcap=30.0)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        flash_attn.flash_attn_func(q8, q8, q8.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="k_descale"):
+        flash_attn.flash_attn_func(q8, q8, q8, k_descale=torch.ones(3, 2, device=DEVICE))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        x = torch.randn(1, 64, 2, 72, device=DEVICE).to(E4M3)
+        flash_attn.flash_attn_func(x, x, x)
+    out = flash_attn.flash_attn_func(q8, q8, q8)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
