@@ -276,6 +276,31 @@ class FakeExtension(types.ModuleType):
         return self.dropout_mask(rng_state, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
                                  dropout_p)
 
+    def fp8_fwd(self, q, k, v, q_descale, k_descale, v_descale, out, lse, softmax_scale, causal,
+                window_left, window_right, family, tuning=""):
+        # The FP8 forward: the float64 truth of the dequantised inputs, out bf16.
+        self.calls.append(("fp8_fwd", family, tuple(q.shape), softmax_scale, causal,
+                           (window_left, window_right), q_descale, k_descale, v_descale))
+        if not any(f == family and d == "fwd" and t == "e4m3" and h >= q.shape[-1]
+                   for f, d, t, h, _ in self.configs):
+            raise RuntimeError(f"flash_attn: this build has no {family} fwd kernel for dtype "
+                               f"e4m3 and head dim {q.shape[-1]}")
+        b, _, h, _ = q.shape
+        hk = k.shape[2]
+
+        def dequant(x, d):
+            if d is None:
+                return x.double()
+            assert d.shape == (b, hk) and d.is_contiguous() and d.dtype == torch.float32
+            per_head = d.repeat_interleave(x.shape[2] // hk, dim=1)[:, None, :, None]
+            return x.double() * per_head.double()
+
+        o, l = reference.attention_ref(dequant(q, q_descale), dequant(k, k_descale),
+                                       dequant(v, v_descale), causal=causal,
+                                       window_size=(window_left, window_right),
+                                       softmax_scale=softmax_scale, return_lse=True)
+        return o.to(torch.bfloat16), l.float()
+
     def fwd(self, q, k, v, out, lse, rng_state, alibi_slopes, softmax_scale, causal,
             window_left, window_right, softcap, dropout_p, family, tuning=""):
         # As the extension: None allocates the output; returns (out, lse, rng_state).

@@ -1,0 +1,92 @@
+"""The FP8 frontend on CPU (fake_ext: the extension's fp8_fwd computed by the float64
+reference): what reaches the kernels, and the errors of calls they cannot run."""
+
+import pytest
+import torch
+
+import flash_attn
+from flash_attn import build_matrix
+from flash_attn.reference import attention_ref
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _fp8(*shape, scale=1.0):
+    return (torch.randn(*shape) * scale).to(E4M3)
+
+
+@pytest.fixture
+def sm90(fake_ext):
+    fake_ext.arch = 90
+    return fake_ext
+
+
+def test_fp8_call_reaches_fa3_with_descales(sm90):
+    b, s, h, hk, d = 2, 33, 4, 2, 64
+    q, k, v = _fp8(b, s, h, d), _fp8(b, 40, hk, d), _fp8(b, 40, hk, d)
+    qd, kd = torch.rand(b, hk) + 0.5, torch.rand(b, hk) + 0.5
+    vd = torch.tensor(0.25)  # broadcast to (batch, nheads_k)
+    out = flash_attn.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd,
+                                     v_descale=vd)
+    name, family, shape, scale, causal, window, *descales = sm90.calls[-1]
+    assert (name, family, shape, causal) == ("fp8_fwd", "fa3", (b, s, h, d), True)
+    assert scale == pytest.approx(d ** -0.5)
+    assert all(x.shape == (b, hk) and x.is_contiguous() for x in descales)
+    assert out.dtype == torch.bfloat16 and out.shape == (b, s, h, d)
+    per_head = lambda x, t: x.double() * t.double().expand(b, hk).repeat_interleave(
+        h // hk if x.shape[2] == h else 1, dim=1)[:, None, :, None]
+    truth = attention_ref(per_head(q, qd), per_head(k, kd), per_head(v, vd), causal=True)
+    torch.testing.assert_close(out.double(), truth, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_return_attn_probs_gives_lse(sm90):
+    q = _fp8(1, 8, 2, 32)
+    out, lse, probs = flash_attn.flash_attn_func(q, q, q, return_attn_probs=True)
+    assert probs is None and lse.shape == (1, 2, 8) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(softcap=30.0), NotImplementedError, "softcap"),
+    (dict(alibi_slopes=torch.ones(2)), NotImplementedError, "alibi"),
+    (dict(dropout_p=0.1), NotImplementedError, "dropout"),
+    (dict(softmax_scale=-1.0), NotImplementedError, "positive scale"),
+    (dict(out_dtype=torch.float16), NotImplementedError, "bfloat16 only"),
+    (dict(k_descale=torch.ones(3, 2)), ValueError, r"k_descale must be \(batch, nheads_k\)"),
+    (dict(q_descale=torch.ones(1, 2, dtype=torch.float64)), TypeError, "float32"),
+    (dict(backend="fa2"), ValueError, "no FP8 kernels"),
+])
+def test_fp8_refusals(sm90, kwargs, error, match):
+    q = _fp8(1, 16, 2, 32)
+    with pytest.raises(error, match=match):
+        flash_attn.flash_attn_func(q, q, q, **kwargs)
+    assert not [c for c in sm90.calls if c[0] == "fp8_fwd"]
+
+
+def test_fp8_input_checks(sm90):
+    q = _fp8(1, 16, 2, 32)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        flash_attn.flash_attn_func(q, q, q.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        x = _fp8(1, 16, 2, 40)
+        flash_attn.flash_attn_func(x, x, x)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        flash_attn.flash_attn_func(q.clone().requires_grad_(), q, q)
+    with pytest.raises(ValueError, match="out_dtype"):
+        x = torch.randn(1, 16, 2, 32, dtype=torch.bfloat16)
+        flash_attn.flash_attn_func(x, x, x, out_dtype=torch.float16)
+
+
+def test_fp8_needs_sm90_and_e4m3_kernels(sm90):
+    q = _fp8(1, 16, 2, 32)
+    sm90.arch = 80
+    with pytest.raises(RuntimeError, match="sm90"):
+        flash_attn.flash_attn_func(q, q, q)
+    sm90.arch = 90
+    sm90.configs = [c for c in sm90.configs if c[2] != "e4m3"]
+    with pytest.raises(RuntimeError, match="FLASH_ATTN_DTYPES"):
+        flash_attn.flash_attn_func(q, q, q)
+
+
+def test_fp8_kernels_in_the_build_matrix():
+    assert build_matrix.FAMILIES["fa3"].fp8_hdims == (64, 128, 256)
+    assert all(not f.fp8_hdims for name, f in build_matrix.FAMILIES.items() if name != "fa3")
