@@ -90,3 +90,27 @@ def test_fp8_needs_sm90_and_e4m3_kernels(sm90):
 def test_fp8_kernels_in_the_build_matrix():
     assert build_matrix.FAMILIES["fa3"].fp8_hdims == (64, 128, 256)
     assert all(not f.fp8_hdims for name, f in build_matrix.FAMILIES.items() if name != "fa3")
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 192, 256])
+def test_rotation_is_orthogonal(head_dim):
+    r = flash_attn.fp8.rotation(head_dim, "cpu", torch.Generator().manual_seed(0))
+    torch.testing.assert_close(r @ r.T, torch.eye(head_dim), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_quantize_keeps_the_scores(hadamard):
+    b, s, h, hk, d = 2, 64, 4, 2, 128
+    q, k, v = torch.randn(b, s, h, d), torch.randn(b, s, hk, d), torch.randn(b, s, hk, d)
+    q[0, 3, 1, 5] = 40.0  # an outlier, which the rotation spreads
+    q8, k8, v8, ds = flash_attn.fp8.quantize(q, k, v, hadamard=hadamard,
+                                             generator=torch.Generator().manual_seed(1))
+    assert {x.dtype for x in (q8, k8, v8)} == {torch.float8_e4m3fn}
+    assert set(ds) == {"q_descale", "k_descale", "v_descale"}
+    assert all(x.shape == (b, hk) and x.dtype == torch.float32 for x in ds.values())
+    deq = lambda x, sc: x.float() * sc.repeat_interleave(x.shape[2] // hk, 1)[:, None, :, None]
+    scores = lambda a, c: torch.einsum("bshd,bthd->bhst", a, c.repeat_interleave(h // hk, 2))
+    got = scores(deq(q8, ds["q_descale"]), deq(k8, ds["k_descale"]))
+    want = scores(q, k)
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+    torch.testing.assert_close(deq(v8, ds["v_descale"]), v, atol=0.1, rtol=0.07)

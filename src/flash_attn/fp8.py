@@ -1,5 +1,6 @@
 """FP8 attention on Hopper: ``flash_attn_func`` with ``torch.float8_e4m3fn`` q, k, v runs fa3's
-e4m3 forward (sm90), with per-(batch, KV head) descales and a bf16 output.
+e4m3 forward (sm90), with per-(batch, KV head) descales and a bf16 output; ``quantize`` makes
+such inputs from 16-bit ones.
 
 The real Q is ``q.float() * q_descale[b, h_k]`` (likewise K and V): ``q_descale``, ``k_descale``,
 ``v_descale`` are positive float32 ``(batch, nheads_k)`` tensors (anything that broadcasts to
@@ -121,3 +122,66 @@ def attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, a
     out, lse = _ops.fp8_attention(q, k, v, *descales, call.softmax_scale, call.causal,
                                   window_left, window_right, family, _ops.tuning_text(tuning))
     return (out, lse, None) if return_attn_probs else out
+
+
+# ---- quantize ---------------------------------------------------------------------------------
+
+E4M3_MAX = 448.0
+
+
+def _hadamard(n: int, device, dtype) -> torch.Tensor:
+    """The n x n Hadamard matrix (Sylvester; n a power of two) divided by sqrt(n): orthogonal."""
+    h = torch.ones(1, 1, device=device, dtype=dtype)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / h.shape[0] ** 0.5
+
+
+def rotation(head_dim: int, device, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """A random orthogonal (head_dim, head_dim) float32 matrix of the FA3 paper's incoherent
+    processing: random signs times a Hadamard matrix, block-diagonal in blocks of the largest
+    power of two that divides head_dim (all of it at 64, 128, 256). q R (R^T k^T) = q k^T, and
+    the rotation spreads an outlier coordinate over the block."""
+    block = head_dim & -head_dim
+    signs = torch.randint(0, 2, (head_dim,), generator=generator, device="cpu").to(device)
+    signs = signs.float() * 2 - 1
+    h = _hadamard(block, device, torch.float32)
+    return torch.block_diag(*([h] * (head_dim // block))) * signs[:, None]
+
+
+def _per_kv_head_scale(x: torch.Tensor, heads_k: int) -> torch.Tensor:
+    """amax / 448 per (batch, KV head) of x (batch, seqlen, heads, head_dim), float32."""
+    b, s, h, d = x.shape
+    amax = x.reshape(b, s, heads_k, h // heads_k, d).abs().amax(dim=(1, 3, 4)).float()
+    return (amax / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard: bool = True,
+             generator: Optional[torch.Generator] = None):
+    """(q8, k8, v8, descales): q, k, v (batch, seqlen, heads, head_dim), fp16 / bf16 / fp32, as
+    float8_e4m3fn inputs of ``flash_attn_func(q8, k8, v8, **descales)``, the FA3 paper's way:
+    with ``hadamard`` q and k are first rotated by the same random orthogonal matrix
+    (``rotation``; q k^T is unchanged), then each of q, k, v is scaled per (batch, KV head) to
+    e4m3's range (amax / 448). ``descales``: {"q_descale", "k_descale", "v_descale"}, float32
+    (batch, heads_k). ``generator``: the random signs' (default: torch's global one).
+
+    Computed in PyTorch (a rotation GEMM, an amax and a scaled cast per tensor), not yet one
+    fused kernel."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _validate.check_is_tensor(name, t)
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"quantize: {name} has dtype {t.dtype}; takes float16, bfloat16 or "
+                            f"float32")
+    shapes = _validate.check_shapes(q.shape, k.shape, v.shape)
+    heads_k = shapes.nheads_k
+    if hadamard:
+        r = rotation(shapes.head_dim, q.device, generator).to(q.dtype)
+        q, k = q @ r, k @ r.to(k.dtype)
+    out, descales = [], {}
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        scale = _per_kv_head_scale(t, heads_k)
+        b, s, h, d = t.shape
+        per_head = scale.repeat_interleave(h // heads_k, dim=1)[:, None, :, None]
+        out.append((t.float() / per_head).to(FP8_DTYPE))
+        descales[f"{name}_descale"] = scale
+    return out[0], out[1], out[2], descales
