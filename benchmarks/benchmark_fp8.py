@@ -174,7 +174,8 @@ def main(argv=None) -> int:
     config = dict(total_tokens=args.total_tokens, hidden=args.hidden, seqlens=args.seqlens,
                   hdims=args.hdims, causal=args.causal, target_ms=args.target_ms,
                   min_reps=args.min_reps, max_reps=args.max_reps, rounds=args.rounds,
-                  warmup=args.warmup, seed=args.seed, timing=B.TIMING)
+                  warmup=args.warmup, seed=args.seed,
+                  timing=B.TIMING + " Here every cell is a forward under torch.no_grad.")
     return C.run_and_report("fp8", args, device, config,
                             lambda backends, results, checkpoint: run(args, device, results,
                                                                       checkpoint),

@@ -53,7 +53,7 @@ def test_fp8_return_attn_probs_gives_lse(sm90):
     (dict(out_dtype=torch.float16), NotImplementedError, "bfloat16 only"),
     (dict(k_descale=torch.ones(3, 2)), ValueError, r"k_descale must be \(batch, nheads_k\)"),
     (dict(q_descale=torch.ones(1, 2, dtype=torch.float64)), TypeError, "float32"),
-    (dict(backend="fa2"), ValueError, "no FP8 kernels"),
+    (dict(backend="fa2"), NotImplementedError, "no FP8 kernels"),
 ])
 def test_fp8_refusals(sm90, kwargs, error, match):
     q = _fp8(1, 16, 2, 32)
@@ -83,7 +83,7 @@ def test_fp8_needs_sm90_and_e4m3_kernels(sm90):
         flash_attn.flash_attn_func(q, q, q)
     sm90.arch = 90
     sm90.configs = [c for c in sm90.configs if c[2] != "e4m3"]
-    with pytest.raises(RuntimeError, match="FLASH_ATTN_DTYPES"):
+    with pytest.raises(NotImplementedError, match="FLASH_ATTN_DTYPES"):
         flash_attn.flash_attn_func(q, q, q)
 
 
@@ -114,3 +114,36 @@ def test_quantize_keeps_the_scores(hadamard):
     want = scores(q, k)
     assert (got - want).abs().max() < 0.1 * want.abs().max()
     torch.testing.assert_close(deq(v8, ds["v_descale"]), v, atol=0.1, rtol=0.07)
+
+
+def test_fp8_kernel_of_a_trimmed_build(sm90):
+    """A build with only the hdim 256 e4m3 kernel runs head dim 64 on it, as the extension's
+    lookup (the smallest built kernel at least as large) does."""
+    sm90.configs = [c for c in sm90.configs if c[2] != "e4m3" or c[3] == 256]
+    q = _fp8(1, 16, 2, 64)
+    assert flash_attn.flash_attn_func(q, q, q).dtype == torch.bfloat16
+
+
+def test_fp8_select_backend_and_other_entry_points(sm90):
+    q = _fp8(1, 16, 2, 64)
+    assert flash_attn.select_backend(q, q, q, causal=True) == "fa3"
+    with pytest.raises(NotImplementedError, match="no FP8 kernels"):
+        flash_attn.select_backend(q, q, q, backend="fa1")
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func: FP8"):
+        flash_attn.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 16, 16)
+    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache: FP8"):
+        flash_attn.flash_attn_with_kvcache(q, q, q)
+
+
+def test_fp8_under_torch_compile_fullgraph(sm90):
+    q, k, v = _fp8(1, 16, 2, 64), _fp8(1, 24, 1, 64), _fp8(1, 24, 1, 64)
+    qd = torch.rand(1, 1) + 0.5
+    fn = torch.compile(lambda q, k, v, d: flash_attn.flash_attn_func(
+        q, k, v, causal=True, q_descale=d, k_descale=d, v_descale=d), fullgraph=True,
+        backend="eager")
+    out = fn(q, k, v, qd)
+    want = flash_attn.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=qd,
+                                      v_descale=qd)
+    torch.testing.assert_close(out, want)
+    assert any(c[0] == "fp8_fwd" for c in sm90.calls)

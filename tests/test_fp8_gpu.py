@@ -115,7 +115,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("window", [None, (64, 0), (100, 37)], ids=["nowin", "win64-0", "win100-37"])
+@pytest.mark.parametrize("window", [None, (64, 0), (100, 37)],
+                         ids=["nowin", "win64-0", "win100-37"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_fp8_forward(shape, causal, window):

@@ -418,6 +418,12 @@ void set_rng_state(flash::FwdParams& p, const at::Tensor& rng_state, const at::T
   if (p.dropout_p == 0.f && family != "fa3") rng_state.zero_();
 }
 
+// The 16-bit entry points: e4m3 tensors have an entry point of their own (fp8_fwd).
+void check_not_fp8(const at::Tensor& q, const char* entry) {
+  TORCH_CHECK(q.scalar_type() != at::kFloat8_e4m3fn, "flash_attn: ", entry, " takes float16 / "
+              "bfloat16 tensors; FP8 (float8_e4m3fn) runs through fp8_fwd");
+}
+
 void check_shapes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   check_qkv_like(q, "q", q);
   check_qkv_like(k, "k", q);
@@ -459,6 +465,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
     const std::optional<at::Tensor>& rng_state_arg, const std::optional<at::Tensor>& alibi_slopes,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     double softcap, double dropout_p, const std::string& family, const std::string& tuning) {
+  check_not_fp8(q, "fwd");
   check_shapes(q, k, v);
   at::Tensor out = out_arg ? *out_arg : at::empty(q.sizes(), q.options());
   at::Tensor lse = lse_arg ? *lse_arg
@@ -517,7 +524,9 @@ std::tuple<at::Tensor, at::Tensor> fp8_fwd(
               "flash_attn: out of an FP8 call must be bfloat16 in q's shape on q's device, "
               "contiguous in its last dim");
   bool out_aligned = reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
-  for (int d = 0; d < 3; ++d) out_aligned = out_aligned && (out.size(d) <= 1 || out.stride(d) % 8 == 0);
+  for (int d = 0; d < 3; ++d) {
+    out_aligned = out_aligned && (out.size(d) <= 1 || out.stride(d) % 8 == 0);
+  }
   TORCH_CHECK(out_aligned, "flash_attn: out must be 16-byte aligned with strides that are "
               "multiples of 8, got strides ", shape(out.strides()));
   at::Tensor lse = lse_arg ? *lse_arg
@@ -716,6 +725,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd(
     int64_t window_left, int64_t window_right, double softcap, double dropout_p,
     const std::string& family, const std::string& tuning) {
   const bool paged = block_table.has_value() && block_table->defined();
+  check_not_fp8(q, "varlen_fwd");
   check_packed_shapes(q, k, v, paged);
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   TORCH_CHECK(batch >= 1, "flash_attn: cu_seqlens_q must hold batch + 1 >= 2 offsets");
@@ -819,6 +829,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
     const std::optional<at::Tensor>& alibi_slopes, double softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, double softcap, bool rotary_interleaved,
     int64_t num_splits, const std::string& family, const std::string& tuning) {
+  check_not_fp8(q, "kvcache_fwd");
   check_qkv_like(q, "q", q);
   check_qkv_like(k_cache, "k_cache", q);
   check_qkv_like(v_cache, "v_cache", q);

@@ -77,15 +77,20 @@ __device__ __forceinline__ void convert_p_fp8(const Acc& acc, Words& words) {
 }
 
 // V^T for the kernel: vt[(b, h_k)][d][slot] = v[b][fp8_key(slot)][h_k][d] for d < head_dim,
-// zero for keys past seqlen_k; `keys` slots a row (plan.vt_keys). A block moves 64 keys of
-// one (batch, KV head): coalesced 16-byte loads of V's rows, then a lane per column d gathers
-// 16 slots from shared memory (bytes of one row for a warp: no bank conflict).
+// zero for keys past seqlen_k; `keys` slots a row (plan.vt_keys). A block moves kFp8VtKeys keys
+// of one (batch, KV head), blockIdx.x = (key block, KV head, batch), the key block fastest:
+// coalesced 16-byte loads of V's rows, then a lane per column d gathers 16 slots from shared
+// memory (bytes of one row for a warp: no bank conflict).
+constexpr int kFp8VtKeys = 64;
 template <int kHeadDim>
 __global__ void __launch_bounds__(256) fwd_fp8_vt(const __grid_constant__ FwdParams p,
                                                  uint8_t* vt, int keys) {
-  constexpr int kKeys = 64;
+  constexpr int kKeys = kFp8VtKeys;
   __shared__ __align__(16) uint8_t tile[kKeys][kHeadDim];
-  const int key0 = int(blockIdx.x) * kKeys, head_k = int(blockIdx.y), b = int(blockIdx.z);
+  const unsigned blocks = unsigned(keys + kKeys - 1) / kKeys;
+  const int key0 = int(blockIdx.x % blocks) * kKeys;
+  const int head_k = int(blockIdx.x / blocks % unsigned(p.heads_k));
+  const int b = int(blockIdx.x / blocks / unsigned(p.heads_k));
   const uint8_t* v = static_cast<const uint8_t*>(p.v) + b * p.v_strides.batch +
                      head_k * p.v_strides.head;
   const int vecs = p.head_dim / 16;

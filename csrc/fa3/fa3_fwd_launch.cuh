@@ -149,9 +149,14 @@ void launch_fwd(const FwdParams& p, const FwdPlan& plan, cudaStream_t stream) {
       throw std::runtime_error("flash_attn: fa3 forward: an FP8 call that is not a dense one, "
                                "or a plan without V^T");
     }
-    const dim3 grid(unsigned((plan.vt_keys + 63) / 64), unsigned(p.heads_k), unsigned(p.batch));
-    fwd_fp8_vt<Tr::kHeadDim><<<grid, 256, 0, stream>>>(p, reinterpret_cast<uint8_t*>(vt),
-                                                       int(plan.vt_keys));
+    const int64_t blocks =
+        (plan.vt_keys + kFp8VtKeys - 1) / kFp8VtKeys * p.heads_k * int64_t(p.batch);
+    if (blocks > INT_MAX || plan.vt_keys > INT_MAX) {
+      throw std::runtime_error("flash_attn: fa3 forward: FP8's V^T needs more than 2^31 - 1 "
+                               "blocks or key slots");
+    }
+    fwd_fp8_vt<Tr::kHeadDim><<<unsigned(blocks), 256, 0, stream>>>(
+        p, reinterpret_cast<uint8_t*>(vt), int(plan.vt_keys));
     FLASH_CHECK_LAUNCH();
   }
   if constexpr (Tr::kClusterM > 1) {

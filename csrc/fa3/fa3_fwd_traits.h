@@ -77,9 +77,9 @@ struct FwdTraits {
       (2 * kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element)) + 1024 <= kSmemLimit
           ? 2 : 1;
   // With two Q buffers the epilogue's register stores wait under the next item's first S GEMM
-  // (fa3_fwd_epilogue.h), holding O packed (hdim / 4 registers): not in FP8's kernels, which
-  // have two Q buffers where the 16-bit ones of the same consumers have one (then 460 / 664 B
-  // of spills at hdim 128 / 256).
+  // (fa3_fwd_epilogue.h), holding O packed (hdim / 4 registers): not in FP8's kernels, whose
+  // two Q buffers come where the 16-bit tiles of the same consumers have one, and which spilled
+  // with it (docs/fa3_decisions.md).
   static constexpr bool kDeferO = kQBufs == 2 && !kFp8;
   // At hdim 256 O leaves through shared memory (stmatrix into the item's last K / V stage, then
   // a TMA store): +1..2% at causal 512-2k over 16-byte stores from registers, level at full 2k-4k.

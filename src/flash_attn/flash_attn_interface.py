@@ -142,10 +142,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     the attention probabilities before dropout, negated where dropout dropped them. S_dmask is
     for testing only (as in 2.x): it materialises seqlen_q x seqlen_k, computed in PyTorch.
 
-    FP8 (sm90, fa3, forward only): torch.float8_e4m3fn q, k, v with keyword-only float32
-    ``q_descale`` / ``k_descale`` / ``v_descale`` of shape (batch, nheads_k) (None: 1; the real
-    Q is q.float() * q_descale); the output is bfloat16 (``out_dtype``: bfloat16 only so far).
-    See ``flash_attn.fp8``.
+    FP8 (sm90, fa3, forward only): torch.float8_e4m3fn q, k, v with keyword-only positive
+    float32 ``q_descale`` / ``k_descale`` / ``v_descale`` of shape (batch, nheads_k) (None: 1;
+    the real Q is q.float() * q_descale); the output is bfloat16 (``out_dtype``: bfloat16 only
+    so far). See ``flash_attn.fp8``.
 
     ``_tuning`` is private: overrides of the kernels' automatic choices (a dict such as
     ``{"fa3_narrow": 0}``; csrc/common/tuning.h lists them) for tests and A/B benchmarks. No
@@ -190,6 +190,10 @@ def select_backend(q, k, v, causal=False, window_size=(-1, -1), softcap=0.0, ali
     when a tensor requires grad, as the call does; that backward runs the same family's
     kernels, except after fa3 where its backward does not take the call (fewer than 1024
     query rows per KV head): fa2's backward."""
+    if fp8.is_fp8(q, k, v):  # FP8 inputs: fa3's e4m3 forward, or its error
+        call = fp8.check_call(q, k, v, dropout_p=dropout_p, causal=causal,
+                              window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+        return fp8.select(call, q.device, backend)
     call = _validate.validate_call(q, k, v, dropout_p=dropout_p, causal=causal,
                                    window_size=window_size, softcap=softcap,
                                    alibi_slopes=alibi_slopes)
@@ -203,6 +207,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, block_table, seqused_q, seqused_k,
                       backend, names):
+    fp8.refuse("flash_attn_varlen_func", q, k, v)
     call = _validate.validate_varlen_call(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
         seqused_k=seqused_k, block_table=block_table, dropout_p=dropout_p,
@@ -351,6 +356,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse (batch, nheads,
     seqlen_q) float32) with return_softmax_lse=True. ``_tuning``: as flash_attn_func's.
     """
+    fp8.refuse("flash_attn_with_kvcache", q, k_cache, v_cache, k, v)
     call = _validate.validate_kvcache_call(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, alibi_slopes,

@@ -4,14 +4,15 @@ such inputs from 16-bit ones.
 
 The real Q is ``q.float() * q_descale[b, h_k]`` (likewise K and V): ``q_descale``, ``k_descale``,
 ``v_descale`` are positive float32 ``(batch, nheads_k)`` tensors (anything that broadcasts to
-that shape; None: 1). Forward only: an FP8 input that requires grad raises. So far the kernels take dense
-calls with causal / local masks and GQA, head dims that are multiples of 16 up to 256; softcap,
-ALiBi, dropout and the variable-length and KV-cache entry points raise NotImplementedError.
+that shape; None: 1). Forward only: an FP8 input that requires grad raises. So far the kernels
+take dense calls with causal / local masks and GQA, head dims that are multiples of 16 up to 256; softcap,
+ALiBi, dropout and FP8 inputs to the variable-length and KV-cache entry points raise
+NotImplementedError.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -46,16 +47,19 @@ def _check_descale(name: str, d, batch: int, nheads_k: int, device: torch.device
                          f"to it, got shape {tuple(d.shape)}")
 
 
-def _check_fp8_call(q, k, v, *, dropout_p, softmax_scale, causal, window_size, softcap,
-                    alibi_slopes, q_descale, k_descale, v_descale, out_dtype, names):
+def check_call(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
+               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, q_descale=None,
+               k_descale=None, v_descale=None, out_dtype=None, names=("q", "k", "v")):
+    """Every check of an FP8 call (flash_attn_func's arguments); the validated Call."""
     for name, t in zip(names, (q, k, v)):
         _validate.check_is_tensor(name, t)
     _validate.check_device(names[0], q.device)
     _validate.check_same_device(names, [t.device for t in (q, k, v)])
     for name, t in zip(names, (q, k, v)):
         if t.dtype != FP8_DTYPE:
+            given = ", ".join(f"{n}: {x.dtype}" for n, x in zip(names, (q, k, v)))
             raise TypeError(f"{name} has dtype {t.dtype}; an FP8 call takes torch.float8_e4m3fn "
-                            f"q, k and v ({', '.join(f'{n}: {x.dtype}' for n, x in zip(names, (q, k, v)))})")
+                            f"q, k and v ({given})")
     shapes = _validate.check_shapes(q.shape, k.shape, v.shape, names)
     if shapes.head_dim % FP8_ALIGN != 0:
         raise ValueError(f"{names[0]} has head dim {shapes.head_dim}; FP8 needs a multiple of "
@@ -80,32 +84,51 @@ def _check_fp8_call(q, k, v, *, dropout_p, softmax_scale, causal, window_size, s
     return call
 
 
-def _select(call, device, backend) -> str:
-    """fa3, the one family with FP8 kernels, if this build and GPU run the call."""
-    requested = _dispatch.requested_backend(backend)
+@torch.compiler.assume_constant_result
+def _decide(arch: int, hdim: int, requested: Optional[str]) -> Tuple[str, str]:
+    """("", "") if fa3's e4m3 forward runs a head dim ``hdim`` call on ``arch``, else (exception
+    name, message): returned, not raised, so that dynamo folds it into a constant (as
+    _dispatch._decide)."""
     if requested not in (None, "fa3"):
-        raise ValueError(f"backend {requested!r} has no FP8 kernels; FP8 inputs run on 'fa3' "
-                         f"(sm90)")
-    arch = _dispatch.device_arch(device)
+        return ("NotImplementedError", f"backend {requested!r} (backend= or "
+                f"{_dispatch.ENV_VAR}) has no FP8 kernels; FP8 inputs run on 'fa3' (sm90)")
     if arch != 90:
-        raise RuntimeError(f"{device} is sm{arch}; the FP8 forward runs on sm90 (Hopper) only")
-    hdim = -(-call.shapes.head_dim // 8) * 8
-    kernel = next((h for h in build_matrix.FAMILIES["fa3"].fp8_hdims if h >= hdim), None)
-    built = _dispatch.built_configs()
-    if kernel is None or not any(c.family == "fa3" and c.direction == "fwd" and
-                                 c.dtype == "e4m3" and c.hdim == kernel for c in built):
-        raise RuntimeError(f"this build has no fa3 e4m3 forward kernel for head dim "
-                           f"{call.shapes.head_dim}; FP8 kernels exist for head dims "
-                           f"{build_matrix.FAMILIES['fa3'].fp8_hdims} (build with "
-                           f"FLASH_ATTN_DTYPES including e4m3)")
+        return ("RuntimeError", f"this GPU is sm{arch}; the FP8 forward runs on sm90 (Hopper) "
+                f"only")
+    padded = -(-hdim // 8) * 8
+    if not any(c.family == "fa3" and c.direction == "fwd" and c.dtype == "e4m3" and
+               c.hdim >= padded for c in _dispatch.built_configs()):
+        return ("NotImplementedError", f"this build has no fa3 e4m3 forward kernel for head "
+                f"dim {hdim}; FP8 kernels exist for head dims "
+                f"{build_matrix.FAMILIES['fa3'].fp8_hdims} (build with FLASH_ATTN_DTYPES "
+                f"including e4m3)")
+    return ("", "")
+
+
+_ERRORS = {"RuntimeError": RuntimeError, "NotImplementedError": NotImplementedError}
+
+
+def select(call, device, backend) -> str:
+    """fa3, the one family with FP8 kernels, if this build and GPU run the call."""
+    error, message = _decide(_dispatch.device_arch(device), call.shapes.head_dim,
+                             _dispatch.requested_backend(backend))
+    if error:
+        raise _ERRORS[error](message)
     return "fa3"
+
+
+def refuse(entry_point: str, *tensors) -> None:
+    """NotImplementedError for FP8 inputs to an entry point without FP8 kernels yet."""
+    if is_fp8(*tensors):
+        raise NotImplementedError(f"{entry_point}: FP8 inputs run on flash_attn_func only so far "
+                                  f"(dense calls); this entry point takes float16 / bfloat16")
 
 
 def attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
               return_attn_probs, backend, names, tuning, q_descale, k_descale, v_descale,
               out_dtype):
     """flash_attn_func's path for FP8 inputs (flash_attn_interface._attention)."""
-    call = _check_fp8_call(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
+    call = check_call(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
                            causal=causal, window_size=window_size, softcap=softcap,
                            alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale,
                            v_descale=v_descale, out_dtype=out_dtype, names=names)
@@ -113,7 +136,7 @@ def attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, a
         if t.requires_grad:
             raise RuntimeError(f"{name} requires grad; the FP8 forward has no backward (FP8 "
                                f"attention is for inference)")
-    family = _select(call, q.device, backend)
+    family = select(call, q.device, backend)
     s = call.shapes
     descales = tuple(None if d is None else d.expand(s.batch, s.nheads_k).contiguous()
                      for d in (q_descale, k_descale, v_descale))
@@ -143,7 +166,9 @@ def rotation(head_dim: int, device, generator: Optional[torch.Generator] = None)
     power of two that divides head_dim (all of it at 64, 128, 256). q R (R^T k^T) = q k^T, and
     the rotation spreads an outlier coordinate over the block."""
     block = head_dim & -head_dim
-    signs = torch.randint(0, 2, (head_dim,), generator=generator, device="cpu").to(device)
+    signs = torch.randint(0, 2, (head_dim,), generator=generator,
+                          device=generator.device if generator is not None else "cpu")
+    signs = signs.to(device)
     signs = signs.float() * 2 - 1
     h = _hadamard(block, device, torch.float32)
     return torch.block_diag(*([h] * (head_dim // block))) * signs[:, None]
@@ -174,9 +199,9 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard: boo
                             f"float32")
     shapes = _validate.check_shapes(q.shape, k.shape, v.shape)
     heads_k = shapes.nheads_k
-    if hadamard:
-        r = rotation(shapes.head_dim, q.device, generator).to(q.dtype)
-        q, k = q @ r, k @ r.to(k.dtype)
+    if hadamard:  # in fp32: R rounded to 16 bits would not be orthogonal
+        r = rotation(shapes.head_dim, q.device, generator)
+        q, k = q.float() @ r, k.float() @ r
     out, descales = [], {}
     for name, t in (("q", q), ("k", k), ("v", v)):
         scale = _per_kv_head_scale(t, heads_k)
