@@ -26,6 +26,23 @@ static FwdParams causal(FwdParams p) {
 }
 
 int main() {
+  // FP8: one kernel whatever the call (the wide tile of kBlockN 128; never narrow, stream-K or
+  // clusters), and V^T after the scheduler's counter: head_dim rows of the keys padded to 16
+  // per (batch, KV head).
+  for (const int hdim : {64, 128, 256}) {
+    FwdParams p = call(2, 1000, 1000, 8, 2);
+    p.fp8 = true, p.head_dim = hdim == 256 ? 192 : hdim;
+    const FwdPlan plan = plan_fwd(p, hdim);
+    CHECK(plan.kernel == FwdKernel::kWide && plan.tile.block_n == 128 && plan.cluster_m == 1);
+    CHECK(plan.tile.consumers == (hdim == 256 ? 2 : 3));
+    CHECK(plan.vt_keys == 1008 && plan.vt_offset == kFp8VtOffset);
+    CHECK(plan.workspace_bytes == kFp8VtOffset + 2 * 2 * p.head_dim * 1008);
+    CHECK(plan.zero_bytes == 4 && plan.zero_bytes <= plan.vt_offset);
+    FwdParams few = call(1, 16384, 16384, 1, 1);  // stream-K and clusters' calls in 16 bits
+    few.fp8 = true, few.head_dim = hdim;
+    CHECK(plan_fwd(few, hdim).kernel == FwdKernel::kWide);
+  }
+  CHECK(fp8_vt_keys(0) == 0 && fp8_vt_keys(1) == 16 && fp8_vt_keys(32) == 32);
   // hdim 128, the benchmark's 2k (8 x 2k x 16 heads): 1408 items of 192 rows fill the GPU
   // five times over and 2048 rows pad no more on the wide tile: the wide tile, one CTA per SM.
   {
