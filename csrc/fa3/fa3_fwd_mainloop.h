@@ -360,6 +360,35 @@ struct FwdMainloop {
     barrier_sync(128, FwdBarrier::ConsumerOwn, cw);
   }
 
+  // ---- consumers: P as the A operand of P V ---------------------------------------------------
+
+  // Its registers: 16 bits in the S accumulator's layout, FP8 as PFragmentFp8's words
+  // (fa3_fwd_fp8.h); convert_p writes P there, p_operand views them as the operand.
+  template <class AccS>
+  static __device__ __forceinline__ auto p_registers(const AccS& acc_s) {
+    if constexpr (Tr::kFp8) {
+      return make_tensor<uint32_t>(PWordsFp8<kBlockN>{});
+    } else {
+      return make_tensor<Element>(acc_s.layout());
+    }
+  }
+  template <class AccS, class P>
+  static __device__ __forceinline__ void convert_p(const AccS& acc_s, P& rP) {
+    if constexpr (Tr::kFp8) {
+      convert_p_fp8(acc_s, rP);
+    } else {
+      copy(flash::convert_fragment<Element>(acc_s), rP);
+    }
+  }
+  template <class P>
+  static __device__ __forceinline__ auto p_operand(P& rP) {
+    if constexpr (Tr::kFp8) {
+      return p_operand_fp8<Element, kBlockN>(rP);
+    } else {
+      return make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+    }
+  }
+
   // ---- consumers: the key-tile walk -----------------------------------------------------------
 
   // Consumer cw's walk over one item's key tiles (non-empty), from the last to the first:
@@ -447,22 +476,18 @@ struct FwdMainloop {
         if (kEarlyRelease && n == tiles.begin) release_q(qb);
         scores(n, masked);
         softmax.template update<decltype(first)::value>(s_rc, acc_o_rc, scale_log2());
-        auto rP = [&] {
+        // 16 bits: the converted fragment itself (declared, then copied into, it compiled
+        // differently).
+        Tensor rP = [&] {
           if constexpr (Tr::kFp8) {
-            Tensor r = make_tensor<uint32_t>(PWordsFp8<kBlockN>{});
-            convert_p_fp8(acc_s, r);
+            Tensor r = p_registers(acc_s);
+            convert_p(acc_s, r);
             return r;
           } else {
             return flash::convert_fragment<Element>(acc_s);
           }
         }();
-        Tensor tOrP = [&] {
-          if constexpr (Tr::kFp8) {
-            return p_operand_fp8<Element, kBlockN>(rP);
-          } else {
-            return make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-          }
-        }();
+        Tensor tOrP = p_operand(rP);
         pipe_v.consumer_wait(state);
         if constexpr (decltype(first)::value) forget(acc_o);
         wgmma(mma_o, tOrP, tOrVt(_, _, _, state.index()), acc_o, decltype(first)::value);
@@ -485,20 +510,8 @@ struct FwdMainloop {
     //
     // Staged epilogue (kStageO): consumer 1 holds its release of the item's last K stage and
     // consumer 0 of the last V stage; the epilogue writes O there (fa3_fwd_epilogue.h).
-    Tensor rP = [&] {
-      if constexpr (Tr::kFp8) {
-        return make_tensor<uint32_t>(PWordsFp8<kBlockN>{});
-      } else {
-        return make_tensor<Element>(acc_s.layout());
-      }
-    }();
-    Tensor tOrP = [&] {
-      if constexpr (Tr::kFp8) {
-        return p_operand_fp8<Element, kBlockN>(rP);
-      } else {
-        return make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-      }
-    }();
+    Tensor rP = p_registers(acc_s);
+    Tensor tOrP = p_operand(rP);
     PipelineState prev;
     bool o_zero = true;  // the item's first P V
     auto step = [&](int n, auto first, auto masked) __attribute__((always_inline)) {
@@ -548,11 +561,7 @@ struct FwdMainloop {
         }
         pipe_v.consumer_release(prev);
       }
-      if constexpr (Tr::kFp8) {
-        convert_p_fp8(acc_s, rP);
-      } else {
-        copy(flash::convert_fragment<Element>(acc_s), rP);
-      }
+      convert_p(acc_s, rP);
       if constexpr (kFirst) forget(acc_o);  // the next P V is the item's first (o_zero)
       prev = state;
       ++state;

@@ -16,6 +16,18 @@ namespace flash::fa3 {
 
 using namespace cute;
 
+// FP8's V^T stages (head dim, keys, stage), keys contiguous in 128-byte rows, as a type that is
+// only formed where it is named.
+template <class Element, int kHeadDim, int kBlockN, int kStages>
+struct Fp8VtLayout {
+  using type = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                      Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+};
+template <class Layout>
+struct LayoutOf {
+  using type = Layout;
+};
+
 template <typename T, int kHeadDim_, int kBlockN_, int kStages_, bool kScoreMod_,
           Schedule kSchedule_, int kConsumers_ = 2, int kClusterM_ = 1, bool kStreamK_ = false>
 struct FwdTraits {
@@ -100,11 +112,11 @@ struct FwdTraits {
   using SmemVt16 = decltype(composition(
       SmemKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                     Step<_2, _1, _3>{})));
-  using SmemVt8 = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
-                                         Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
-  using SmemVt = std::conditional_t<kFp8, SmemVt8, SmemVt16>;
+  // Named only for FP8: a 16-bit kBlockN of 80 / 112 does not tile the 128-byte atom.
+  using SmemVt = typename std::conditional_t<kFp8, Fp8VtLayout<Element, kHeadDim, kBlockN, kStages>,
+                                             LayoutOf<SmemVt16>>::type;
   // The V stages as the producer's TMA fills them.
-  using SmemV = std::conditional_t<kFp8, SmemVt8, SmemKV>;
+  using SmemV = std::conditional_t<kFp8, SmemVt, SmemKV>;
   static_assert(!kFp8 || (kBlockN == 128 && !kStreamK && kClusterM == 1));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;

@@ -115,8 +115,6 @@ struct FwdPlan {
 // FP8's V^T: keys padded to a multiple of this (the P fragment's key order repeats every 16
 // keys, fa3_fwd_fp8.h).
 constexpr int kFp8KeyGroup = 16;
-// Where V^T starts in the workspace: after size_plan's scheduler counter (plan_fwd checks).
-constexpr int64_t kFp8VtOffset = 1024;
 constexpr int64_t fp8_vt_keys(int64_t seqlen_k) {
   return (seqlen_k + kFp8KeyGroup - 1) / kFp8KeyGroup * kFp8KeyGroup;
 }
@@ -240,9 +238,8 @@ inline FwdPlan plan_fwd(const FwdParams& p, int kernel_hdim, const Tuning& tunin
     plan.tile = t.wide;
     if (!plan.tile.exists()) return plan;  // no FP8 kernel of this head dim: ctas 0
     plan = size_plan(p, kernel_hdim, plan, tuning);
-    if (plan.workspace_bytes > kFp8VtOffset) return FwdPlan{};  // never: the counter is 4 bytes
     plan.vt_keys = fp8_vt_keys(p.seqlen_k);
-    plan.vt_offset = kFp8VtOffset;
+    plan.vt_offset = ceil_div(plan.workspace_bytes, 1024) * 1024;  // after the counter
     plan.workspace_bytes =
         plan.vt_offset + int64_t(p.batch) * p.heads_k * p.head_dim * plan.vt_keys;
     return plan;

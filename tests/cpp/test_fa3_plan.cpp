@@ -35,8 +35,8 @@ int main() {
     const FwdPlan plan = plan_fwd(p, hdim);
     CHECK(plan.kernel == FwdKernel::kWide && plan.tile.block_n == 128 && plan.cluster_m == 1);
     CHECK(plan.tile.consumers == (hdim == 256 ? 2 : 3));
-    CHECK(plan.vt_keys == 1008 && plan.vt_offset == kFp8VtOffset);
-    CHECK(plan.workspace_bytes == kFp8VtOffset + 2 * 2 * p.head_dim * 1008);
+    CHECK(plan.vt_keys == 1008 && plan.vt_offset == 1024);
+    CHECK(plan.workspace_bytes == 1024 + 2 * 2 * p.head_dim * 1008);
     CHECK(plan.zero_bytes == 4 && plan.zero_bytes <= plan.vt_offset);
     FwdParams few = call(1, 16384, 16384, 1, 1);  // stream-K and clusters' calls in 16 bits
     few.fp8 = true, few.head_dim = hdim;
