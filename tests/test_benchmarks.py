@@ -72,3 +72,32 @@ def test_train_report_shows_the_attention_share_where_profiled(cpu_train_report)
     assert "profile: RuntimeError: no CUPTI" in rows["b"]
     assert rows["c"].count("|") == rows["a"].count("|")  # an empty cell, not a missing one
     assert "- a: 0.30 ms `void flash::fa3::bwd_kernel<x>`" in markdown
+
+
+def test_fp8_report_names_what_cudnn_fp8_could_not_measure():
+    import benchmark_fp8
+    meta = dict(device="NVIDIA H100", torch="2.11", cuda="13.0", cudnn="9", python="3.12",
+                date_utc="2026-12-07")
+    config = dict(total_tokens=16384, hidden=2048, timing="t", cudnn_fp8="not measured: "
+                  "ModuleNotFoundError: No module named 'cudnn'")
+    cell = dict(hdim=128, nheads=16, seqlen=2048, batch=8, causal=False)
+    measured = dict(cell, errors={}, **{"fp8": 900.0, "cuDNN fp8": 800.0, "bf16": 600.0,
+                                         "quantize + fp8": 300.0, "SDPA cuDNN bf16": 500.0})
+    missing = dict(cell, causal=True, errors={"cuDNN fp8": config["cudnn_fp8"]},
+                   **{"fp8": 700.0, "bf16": 400.0})
+    markdown = benchmark_fp8.render_markdown(
+        dict(meta=meta, config=config, results=[measured, missing]))
+    rows = [line for line in markdown.splitlines() if line.startswith("| 128")]
+    assert "| 1.12 | 1.50 |" in rows[0]  # fp8 / cuDNN fp8, then fp8 / bf16
+    assert "| - | 1.75 |" in rows[1]
+    assert "- cuDNN fp8: not measured: ModuleNotFoundError" in markdown
+
+
+def test_cudnn_fp8_takes_the_largest_of_our_descales():
+    import torch
+    import _cudnn_fp8
+    ours = {n: torch.tensor([[0.5, 2.0], [1.0, 0.25]]) for n in ("q_descale", "k_descale",
+                                                                 "v_descale")}
+    d = _cudnn_fp8.per_tensor_descales(ours)
+    assert d["q_descale"].shape == (1, 1, 1, 1) and d["q_descale"].item() == 2.0
+    assert d["v_scale"].item() == 0.5
