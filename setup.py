@@ -83,7 +83,8 @@ def _compile_jobs() -> str:
 
 
 # CUDA sources that are not build-matrix instantiations; CMakeLists.txt lists the same.
-COMMON_SOURCES = ["csrc/common/dropout_mask.cu", "csrc/common/kvcache_prep.cu"]
+COMMON_SOURCES = ["csrc/common/dropout_mask.cu", "csrc/common/fp8_quantize.cu",
+                  "csrc/common/kvcache_prep.cu"]
 
 
 def _cuda_extension():

@@ -147,3 +147,15 @@ def test_fp8_under_torch_compile_fullgraph(sm90):
                                       v_descale=qd)
     torch.testing.assert_close(out, want)
     assert any(c[0] == "fp8_fwd" for c in sm90.calls)
+
+
+def test_fp8_quantize_op_under_fake_tensors():
+    """The kernel's op (what torch.compile traces) gives e4m3 tensors in the inputs' shapes and
+    the (3, batch, nheads_k) descales quantize splits."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.empty(2, 5, 4, 64, dtype=torch.bfloat16)
+        k = torch.empty(2, 7, 2, 64, dtype=torch.bfloat16)
+        q8, k8, v8, d = torch.ops.flash_attn.fp8_quantize(q, k, k, torch.empty(64))
+    assert (q8.dtype, q8.shape, k8.shape, v8.shape) == (E4M3, q.shape, k.shape, k.shape)
+    assert d.shape == (3, 2, 2) and d.dtype == torch.float32

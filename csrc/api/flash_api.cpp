@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "common/dropout_mask.h"
+#include "common/fp8_quantize.h"
 #include "common/kvcache_prep.h"
 #include "common/params.h"
 #include "common/tuning.h"
@@ -946,6 +947,64 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd(
   return {out, lse};
 }
 
+// flash_attn.fp8.quantize's kernel: q, k, v (fp16 / bf16 / fp32) to e4m3, scaled per (batch,
+// KV head), q and k rotated by `signs` (head_dim floats of +-1, or None: no rotation) and the
+// Hadamard transform in blocks of the largest power of two dividing head_dim. Returns
+// (q8, k8, v8, descales (3, batch, heads_k) float32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fp8_quantize(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& signs) {
+  check_shapes(q, k, v);
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+              "flash_attn: fp8_quantize takes float16, bfloat16 or float32, got ", dtype);
+  const int64_t head_dim = q.size(3);
+  TORCH_CHECK(head_dim % 16 == 0 && head_dim <= 256, "flash_attn: fp8_quantize takes head dims "
+              "that are multiples of 16 up to 256 (the FP8 forward's), got ", num(head_dim));
+  const bool rotate = signs.has_value() && signs->defined();
+  if (rotate) {
+    TORCH_CHECK(signs->is_cuda() && signs->device() == q.device() &&
+                    signs->scalar_type() == at::kFloat && signs->dim() == 1 &&
+                    signs->size(0) == head_dim && signs->is_contiguous(),
+                "flash_attn: signs must be contiguous float32 (head_dim,) on q's device");
+  }
+  const int64_t batch = q.size(0), heads_k = k.size(2);
+  TORCH_CHECK(batch <= std::numeric_limits<int>::max() / 3,
+              "flash_attn: fp8_quantize batch too large, got ", num(batch));
+  const auto e4m3 = q.options().dtype(at::kFloat8_e4m3fn);
+  at::Tensor q8 = at::empty(q.sizes(), e4m3), k8 = at::empty(k.sizes(), e4m3),
+             v8 = at::empty(v.sizes(), e4m3);
+  at::Tensor scales = at::empty({2, 3, batch, heads_k}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0 && k.numel() == 0) {
+    scales[1].fill_(std::numeric_limits<float>::min());
+    return {q8, k8, v8, scales[1]};
+  }
+  flash::Fp8Quantize p;
+  p.input = dtype == at::kHalf ? flash::Fp8Quantize::Input::kFp16
+            : dtype == at::kBFloat16 ? flash::Fp8Quantize::Input::kBf16
+                                     : flash::Fp8Quantize::Input::kFp32;
+  p.batch = int(batch);
+  p.heads_k = int(heads_k);
+  p.head_dim = int(head_dim);
+  p.hadamard_block = rotate ? int(head_dim & -head_dim) : 0;
+  p.signs = rotate ? signs->data_ptr<float>() : nullptr;
+  const std::array<const at::Tensor*, 3> in = {&q, &k, &v};
+  const std::array<at::Tensor*, 3> out = {&q8, &k8, &v8};
+  for (int i = 0; i < 3; ++i) {
+    p.t[i].in = in[i]->data_ptr();
+    p.t[i].out = out[i]->data_ptr();
+    p.t[i].in_strides = strides_of(*in[i]);
+    p.t[i].out_strides = strides_of(*out[i]);
+    p.t[i].seqlen = int(in[i]->size(1));
+    p.t[i].heads = int(in[i]->size(2));
+  }
+  p.amax = scales[0].data_ptr<float>();
+  p.descale = scales[1].data_ptr<float>();
+  const c10::cuda::CUDAGuard guard(q.device());
+  flash::launch_fp8_quantize(p, c10::cuda::getCurrentCUDAStream().stream());
+  return {q8, k8, v8, scales[1]};
+}
+
 at::Tensor dropout_mask(const at::Tensor& rng_state, int64_t batch, int64_t heads,
                         int64_t seqlen_q, int64_t seqlen_k, double dropout_p) {
   check_rng_state(rng_state, rng_state);  // (its own device: only the CUDA and layout checks)
@@ -1000,6 +1059,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_descale"), py::arg("out"), py::arg("lse"), py::arg("softmax_scale"),
         py::arg("causal"), py::arg("window_left"), py::arg("window_right"), py::arg("family"),
         py::arg("tuning") = "");
+  m.def("fp8_quantize", &fp8_quantize,
+        "e4m3 q / k / v scaled per (batch, KV head), q and k rotated by signs and a Hadamard "
+        "transform: (q8, k8, v8, descales (3, batch, heads_k))",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("signs"));
   m.def("bwd", &bwd, "attention backward: writes dq, dk, dv", py::arg("dout"), py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("rng_state"),
         py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("alibi_slopes"),

@@ -540,6 +540,37 @@ def fp8_attention(*args):
     return run_fp8_fwd(*args)
 
 
+@torch.library.custom_op(
+    "flash_attn::fp8_quantize", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? signs) -> "
+           "(Tensor q8, Tensor k8, Tensor v8, Tensor descales)")
+def fp8_quantize(q, k, v, signs):
+    return run_fp8_quantize(q, k, v, signs)
+
+
+def run_fp8_quantize(q, k, v, signs):
+    """flash_attn::fp8_quantize's computation (csrc/common/fp8_quantize.h): e4m3 q8 / k8 / v8
+    in q / k / v's shapes, contiguous; descales float32 (3, batch, nheads_k)."""
+    q, k, v = (kernel_layout(t, 16 // t.element_size()) for t in (q, k, v))
+    return extension().fp8_quantize(q, k, v, signs)
+
+
+@fp8_quantize.register_fake
+def _fp8_quantize_fake(q, k, v, signs):
+    e4m3 = torch.float8_e4m3fn
+    return (q.new_empty(q.shape, dtype=e4m3), k.new_empty(k.shape, dtype=e4m3),
+            v.new_empty(v.shape, dtype=e4m3),
+            q.new_empty((3, q.shape[0], k.shape[2]), dtype=torch.float32))
+
+
+def fp8_quantize_call(q, k, v, signs):
+    """``torch.ops.flash_attn.fp8_quantize`` where something must see through the call,
+    else its computation directly."""
+    if _needs_registered_op((q, k, v, signs)):
+        return torch.ops.flash_attn.fp8_quantize(q, k, v, signs)
+    return run_fp8_quantize(q, k, v, signs)
+
+
 # ---- the dropout mask a forward used (for return_attn_probs) ---------------------------------
 
 @torch.library.custom_op(

@@ -166,12 +166,17 @@ def rotation(head_dim: int, device, generator: Optional[torch.Generator] = None)
     power of two that divides head_dim (all of it at 64, 128, 256). q R (R^T k^T) = q k^T, and
     the rotation spreads an outlier coordinate over the block."""
     block = head_dim & -head_dim
-    signs = torch.randint(0, 2, (head_dim,), generator=generator,
-                          device=generator.device if generator is not None else "cpu")
-    signs = signs.to(device)
-    signs = signs.float() * 2 - 1
+    signs = _signs(head_dim, device, generator)
     h = _hadamard(block, device, torch.float32)
     return torch.block_diag(*([h] * (head_dim // block))) * signs[:, None]
+
+
+def _signs(head_dim: int, device, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """rotation's random signs, float32 (head_dim,) of +-1 on ``device``, drawn on the
+    generator's device (default: torch's global CPU generator)."""
+    signs = torch.randint(0, 2, (head_dim,), generator=generator,
+                          device=generator.device if generator is not None else "cpu")
+    return signs.to(device).float() * 2 - 1
 
 
 def _per_kv_head_scale(x: torch.Tensor, heads_k: int) -> torch.Tensor:
@@ -190,17 +195,34 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard: boo
     e4m3's range (amax / 448). ``descales``: {"q_descale", "k_descale", "v_descale"}, float32
     (batch, heads_k). ``generator``: the random signs' (default: torch's global one).
 
-    Computed in PyTorch (a rotation GEMM, an amax and a scaled cast per tensor), not yet one
-    fused kernel."""
+    On CUDA one kernel does it (csrc/common/fp8_quantize.h: two passes over the inputs, head
+    dims that are multiples of 16 up to 256, the FP8 forward's); on the CPU, PyTorch (a
+    rotation GEMM, an amax and a scaled cast per tensor), the same computation."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _validate.check_is_tensor(name, t)
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"quantize: {name} has dtype {t.dtype}; takes float16, bfloat16 or "
                             f"float32")
     shapes = _validate.check_shapes(q.shape, k.shape, v.shape)
-    heads_k = shapes.nheads_k
+    if not q.is_cuda:
+        return _quantize_torch(q, k, v, shapes.nheads_k, hadamard, generator)
+    _validate.check_same_device(("q", "k", "v"), [t.device for t in (q, k, v)])
+    if shapes.head_dim % 16 or shapes.head_dim > 256:
+        raise ValueError(f"quantize: head_dim {shapes.head_dim} on CUDA; takes multiples of 16 "
+                         f"up to 256 (the head dims of the FP8 forward)")
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    signs = _signs(shapes.head_dim, q.device, generator) if hadamard else None
+    q8, k8, v8, descales = _ops.fp8_quantize_call(q, k, v, signs)
+    return q8, k8, v8, {"q_descale": descales[0], "k_descale": descales[1],
+                        "v_descale": descales[2]}
+
+
+def _quantize_torch(q, k, v, heads_k: int, hadamard: bool,
+                    generator: Optional[torch.Generator]):
+    """quantize in PyTorch: the CPU path, and the GPU tests' reference for the kernel."""
     if hadamard:  # in fp32: R rounded to 16 bits would not be orthogonal
-        r = rotation(shapes.head_dim, q.device, generator)
+        r = rotation(q.shape[-1], q.device, generator)
         q, k = q.float() @ r, k.float() @ r
     out, descales = [], {}
     for name, t in (("q", q), ("k", k), ("v", v)):
