@@ -48,6 +48,11 @@ __device__ void load_unit(const float* src, float (&x)[kUnit]) {
   x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
 }
 
+// amax / 448, at least FLT_MIN; NaN stays NaN (as torch's clamp_min keeps it).
+__device__ float descale_of(float amax) {
+  return amax != amax ? amax : fmaxf(__fdiv_rn(amax, kE4m3Max), FLT_MIN);
+}
+
 // The Sylvester Hadamard transform of each `block` consecutive elements of a row, spread over
 // lanes of kUnit elements: butterflies of stride < kUnit within the lane, then one shuffle per
 // doubling across the block's block / kUnit lanes. Every lane of the warp must call it.
@@ -97,7 +102,7 @@ __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(const Fp8Quantiz
   } else if (chunk == 0) {
     float* descale = p.descale + (int64_t(z) * p.batch + b) * p.heads_k;
     for (int i = threadIdx.x; i < p.heads_k; i += kThreads) {
-      descale[i] = fmaxf(__fdiv_rn(amax[i], kE4m3Max), FLT_MIN);
+      descale[i] = descale_of(amax[i]);
     }
   }
 
@@ -149,7 +154,7 @@ __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(const Fp8Quantiz
         for (int o = 1; o < lanes_per_row; o <<= 1) m = max(m, __shfl_xor_sync(~0u, m, o));
         if (in_range && unit == 0 && m > 0) atomicMax(reinterpret_cast<int*>(&cta_amax[kv_head]), m);
       } else if (in_range) {
-        const float descale = fmaxf(__fdiv_rn(amax[kv_head], kE4m3Max), FLT_MIN);
+        const float descale = descale_of(amax[kv_head]);
         __nv_fp8x2_storage_t packed[kUnit / 2];
 #pragma unroll
         for (int i = 0; i < kUnit / 2; ++i) {

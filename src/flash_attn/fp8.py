@@ -172,11 +172,12 @@ def rotation(head_dim: int, device, generator: Optional[torch.Generator] = None)
 
 
 def _signs(head_dim: int, device, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """rotation's random signs, float32 (head_dim,) of +-1 on ``device``, drawn on the
-    generator's device (default: torch's global CPU generator)."""
-    signs = torch.randint(0, 2, (head_dim,), generator=generator,
-                          device=generator.device if generator is not None else "cpu")
-    return signs.to(device).float() * 2 - 1
+    """rotation's random signs, float32 (head_dim,) of +-1 on ``device``, drawn by
+    ``generator`` on its device, or by torch's global generator of ``device`` (on a GPU, no
+    host synchronisation: a CPU draw copied over would wait for the GPU to drain its queue)."""
+    draw_on = generator.device if generator is not None else torch.device(device)
+    signs = torch.randint(0, 2, (head_dim,), generator=generator, device=draw_on)
+    return signs.to(device, non_blocking=True).float() * 2 - 1
 
 
 def _per_kv_head_scale(x: torch.Tensor, heads_k: int) -> torch.Tensor:
