@@ -114,17 +114,20 @@ __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(const Fp8Quantiz
   for (int step = 0; step < kSteps; ++step) {
     if (first + step * kUnroll * round_rows >= rows) break;  // uniform over the CTA
     float x[kUnroll][kUnit];
-    int64_t row[kUnroll];
+    int seq[kUnroll], head[kUnroll];  // the row's (seqlen, head); seq -1: past the rows
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
-      row[j] = first + (step * kUnroll + j) * round_rows + warp * rows_per_warp +
-               lane / lanes_per_row;
-      if (active && row[j] < rows) {
-        const int64_t s = row[j] / t.heads, h = row[j] % t.heads;
-        load_unit(static_cast<const T*>(t.in) + b * t.in_strides.batch + s * t.in_strides.row +
-                      h * t.in_strides.head + unit * kUnit,
+      // 32-bit division: the launcher bounds a batch's rows.
+      const unsigned row = unsigned(first + (step * kUnroll + j) * round_rows) +
+                           unsigned(warp * rows_per_warp + lane / lanes_per_row);
+      seq[j] = int(row / unsigned(t.heads));
+      head[j] = int(row - unsigned(seq[j]) * unsigned(t.heads));
+      if (active && row < rows) {
+        load_unit(static_cast<const T*>(t.in) + b * t.in_strides.batch +
+                      seq[j] * t.in_strides.row + head[j] * t.in_strides.head + unit * kUnit,
                   x[j]);
       } else {
+        seq[j] = -1;
 #pragma unroll
         for (int i = 0; i < kUnit; ++i) x[j][i] = 0.f;
       }
@@ -138,8 +141,8 @@ __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(const Fp8Quantiz
 #pragma unroll
         for (int i = 0; i < kUnit; ++i) x[j][i] *= norm;
       }
-      const bool in_range = active && row[j] < rows;
-      const int kv_head = in_range ? int(row[j] % t.heads) / group : 0;
+      const bool in_range = seq[j] >= 0;
+      const int kv_head = in_range ? head[j] / group : 0;
       if constexpr (!kWrite) {
         // As bits: non-negative floats order as ints, and the NaN below above all of them (a
         // NaN input makes its scale NaN, as torch's amax does).
@@ -162,9 +165,8 @@ __global__ void __launch_bounds__(kThreads) fp8_quantize_kernel(const Fp8Quantiz
               make_float2(__fdiv_rn(x[j][2 * i], descale), __fdiv_rn(x[j][2 * i + 1], descale)),
               __NV_SATFINITE, __NV_E4M3);
         }
-        const int64_t s = row[j] / t.heads, h = row[j] % t.heads;
         *reinterpret_cast<uint2*>(static_cast<uint8_t*>(t.out) + b * t.out_strides.batch +
-                                  s * t.out_strides.row + h * t.out_strides.head +
+                                  seq[j] * t.out_strides.row + head[j] * t.out_strides.head +
                                   unit * kUnit) = *reinterpret_cast<const uint2*>(packed);
       }
     }
@@ -190,8 +192,8 @@ void launch_passes(const Fp8Quantize& p, cudaStream_t stream) {
   for (const Fp8Quantize::Tensor& t : p.t) rows = std::max(rows, int64_t(t.seqlen) * t.heads);
   const int64_t chunk_rows = int64_t(kWarps) * (32 / lanes_per_row) * kUnroll * kSteps;
   const int64_t chunks = std::max<int64_t>(1, (rows + chunk_rows - 1) / chunk_rows);
-  if (chunks * p.batch > int64_t(INT32_MAX)) {
-    throw std::runtime_error("flash_attn: fp8 quantize: batch * rows too large for one grid");
+  if (chunks * p.batch > int64_t(INT32_MAX) || rows + chunk_rows > int64_t(UINT32_MAX)) {
+    throw std::runtime_error("flash_attn: fp8 quantize: seqlen * heads * batch too large");
   }
   const dim3 grid(unsigned(chunks * p.batch), 3);
   const size_t smem = sizeof(float) * size_t(p.heads_k);
