@@ -63,7 +63,8 @@ class CudnnFp8:
         out, _, amax_s, amax_o = graph.sdpa_fp8(
             q=tq, k=tk, v=tv, **scalars, is_inference=True,
             attn_scale=1.0 / math.sqrt(q.shape[-1]), use_causal_mask=causal, name="sdpa_fp8")
-        o_dim, o_stride = bhsd(torch.empty_like(q, device="meta"))
+        o_buffer = torch.empty_like(q)
+        o_dim, o_stride = bhsd(o_buffer)
         out.set_output(True).set_dim(o_dim).set_stride(o_stride).set_data_type(e4m3)
         for amax in (amax_s, amax_o):
             amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]) \
@@ -74,7 +75,7 @@ class CudnnFp8:
         graph.check_support()
         graph.build_plans()
         buffers = dict(
-            out=torch.empty_like(q),
+            out=o_buffer,
             amax_s=torch.empty((1, 1, 1, 1), dtype=torch.float32, device=self.device),
             amax_o=torch.empty((1, 1, 1, 1), dtype=torch.float32, device=self.device),
             workspace=torch.empty(graph.get_workspace_size(), dtype=torch.uint8,

@@ -5,9 +5,9 @@ such inputs from 16-bit ones.
 The real Q is ``q.float() * q_descale[b, h_k]`` (likewise K and V): ``q_descale``, ``k_descale``,
 ``v_descale`` are positive float32 ``(batch, nheads_k)`` tensors (anything that broadcasts to
 that shape; None: 1). Forward only: an FP8 input that requires grad raises. So far the kernels
-take dense calls with causal / local masks and GQA, head dims that are multiples of 16 up to 256; softcap,
-ALiBi, dropout and FP8 inputs to the variable-length and KV-cache entry points raise
-NotImplementedError.
+take dense calls with causal / local masks and GQA, head dims that are multiples of 16 up to
+256; softcap, ALiBi, dropout and FP8 inputs to the variable-length and KV-cache entry points
+raise NotImplementedError.
 """
 
 from __future__ import annotations
@@ -129,9 +129,9 @@ def attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, a
               out_dtype):
     """flash_attn_func's path for FP8 inputs (flash_attn_interface._attention)."""
     call = check_call(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale,
-                           causal=causal, window_size=window_size, softcap=softcap,
-                           alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale,
-                           v_descale=v_descale, out_dtype=out_dtype, names=names)
+                      causal=causal, window_size=window_size, softcap=softcap,
+                      alibi_slopes=alibi_slopes, q_descale=q_descale, k_descale=k_descale,
+                      v_descale=v_descale, out_dtype=out_dtype, names=names)
     for name, t in zip(names, (q, k, v)):
         if t.requires_grad:
             raise RuntimeError(f"{name} requires grad; the FP8 forward has no backward (FP8 "
@@ -208,9 +208,10 @@ def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, hadamard: boo
     if not q.is_cuda:
         return _quantize_torch(q, k, v, shapes.nheads_k, hadamard, generator)
     _validate.check_same_device(("q", "k", "v"), [t.device for t in (q, k, v)])
-    if shapes.head_dim % 16 or shapes.head_dim > 256:
-        raise ValueError(f"quantize: head_dim {shapes.head_dim} on CUDA; takes multiples of 16 "
-                         f"up to 256 (the head dims of the FP8 forward)")
+    if shapes.head_dim % FP8_ALIGN or shapes.head_dim > _validate.MAX_HEAD_DIM:
+        raise ValueError(f"quantize: head_dim {shapes.head_dim} on CUDA; takes multiples of "
+                         f"{FP8_ALIGN} up to {_validate.MAX_HEAD_DIM} (the head dims of the FP8 "
+                         f"forward)")
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     signs = _signs(shapes.head_dim, q.device, generator) if hadamard else None
