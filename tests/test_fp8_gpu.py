@@ -195,20 +195,18 @@ def test_fp8_errors_leave_the_gpu_usable():
     assert torch.isfinite(out.float()).all()
 
 
-@pytest.mark.parametrize("causal", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(
-        strict=True, reason="issue 36's bar unmet: causal RMSE 9.104e-3 (rotations 9.05 / 9.11 "
-                            "/ 9.15e-3) against 9.1e-3 on an H100 (fused quantize, session 65); "
-                            "full attention 8.03e-3")),
-], ids=["full", "causal"])
-def test_fp8_quantize_on_outliers(causal):
-    """The FA3 paper's accuracy test: N(0, 1) inputs with 0.1% of the entries N(0, 10). With
-    quantize (per-(batch, KV head) scales, Hadamard rotation of q and k) the RMSE against the
-    float64 attention of the 16-bit inputs, averaged over three rotations, stays within the
-    paper's 9.1e-3 and within that of a per-tensor-scaled FP8 attention computed exactly from
-    its e4m3 inputs (no rotation)."""
-    _skip_unless_built(128)
+_OUTLIER_RMSES = {}
+
+
+def _outlier_rmses(causal):
+    """The FA3 paper's accuracy test: N(0, 1) inputs with 0.1% of the entries N(0, 10), through
+    quantize (per-(batch, KV head) scales, Hadamard rotation of q and k) and the forward. RMSEs
+    against the float64 attention of the 16-bit inputs, each the mean over three random
+    rotations (the RMSE depends on the draw): ours; the floor, float64 attention of quantize's
+    own e4m3 inputs (what no FP8 kernel fed them can beat); a per-tensor-scaled FP8 attention
+    computed exactly from its e4m3 inputs (no rotation). Computed once per causal."""
+    if causal in _OUTLIER_RMSES:
+        return _OUTLIER_RMSES[causal]
     torch.manual_seed(7)
     b, s, h, d = 2, 2048, 8, 128
 
@@ -217,24 +215,57 @@ def test_fp8_quantize_on_outliers(causal):
         mask = torch.rand(b, s, h, d, device=DEVICE) < 1e-3
         return torch.where(mask, torch.randn_like(x) * 10, x).to(torch.bfloat16)
 
+    def rmse(x, truth):
+        return (x.double() - truth).pow(2).mean().sqrt().item()
+
     q, k, v = outliers(), outliers(), outliers()
     truth = attention_ref(q, k, v, causal=causal)
-    # The mean over three random rotations: the RMSE depends on the draw.
-    rmses = []
+    ours, floor = [], []
     for seed in range(3):
         q8, k8, v8, descales = flash_attn.fp8.quantize(
             q, k, v, generator=torch.Generator(DEVICE).manual_seed(seed))
         poison_allocator()
         out = flash_attn.flash_attn_func(q8, k8, v8, causal=causal, **descales)
-        rmses.append((out.double() - truth).pow(2).mean().sqrt().item())
-    rmse = sum(rmses) / len(rmses)
+        ours.append(rmse(out, truth))
+        exact = attention_ref(_dequant(q8, descales["q_descale"]),
+                              _dequant(k8, descales["k_descale"]),
+                              _dequant(v8, descales["v_descale"]), causal=causal)
+        floor.append(rmse(exact, truth))
 
     def per_tensor(x):
         scale = x.float().abs().amax() / E4M3_MAX
         return (x.float() / scale).to(E4M3).double() * scale.double()
 
-    baseline = attention_ref(per_tensor(q), per_tensor(k), per_tensor(v), causal=causal)
-    rmse_tensor = (baseline - truth).pow(2).mean().sqrt().item()
-    print(f"rmse ours {rmse:.4e} (draws {', '.join(f'{r:.4e}' for r in rmses)}), per-tensor "
-          f"fp8 {rmse_tensor:.4e}")
-    assert rmse <= 9.1e-3 and rmse <= rmse_tensor, (rmses, rmse_tensor)
+    tensor = rmse(attention_ref(per_tensor(q), per_tensor(k), per_tensor(v), causal=causal), truth)
+    result = {"ours": sum(ours) / 3, "draws": ours, "floor": sum(floor) / 3, "tensor": tensor}
+    print(f"causal={causal} rmse ours {result['ours']:.4e} (draws "
+          f"{', '.join(f'{r:.4e}' for r in ours)}), floor {result['floor']:.4e}, per-tensor fp8 "
+          f"{tensor:.4e}")
+    _OUTLIER_RMSES[causal] = result
+    return result
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_outlier_error_near_its_inputs_floor(causal):
+    """The kernel's share of the outlier RMSE: within 10% of the floor set by quantize's e4m3
+    inputs (an emulation of the kernel's arithmetic in PyTorch put it 1% above at full
+    attention, 3% causal; docs/fa3_decisions.md), and below the per-tensor FP8 attention's."""
+    _skip_unless_built(128)
+    r = _outlier_rmses(causal)
+    assert r["ours"] <= 1.1 * r["floor"] and r["ours"] <= r["tensor"], r
+
+
+@pytest.mark.parametrize("causal", [
+    False,
+    pytest.param(True, marks=pytest.mark.xfail(
+        strict=True, reason="issue 36's bar unmet: causal RMSE 9.104e-3 (rotations 9.05 / 9.11 "
+                            "/ 9.15e-3) against 9.1e-3 on an H100 (fused quantize, session 65); "
+                            "the e4m3 inputs' own floor is about 2.5% below ours (emulated: "
+                            "docs/fa3_decisions.md), 9.04e-3 on a CPU draw of this test")),
+], ids=["full", "causal"])
+def test_fp8_quantize_on_outliers(causal):
+    """The issue's bar: the outlier RMSE with quantize (mean over three rotations) within the
+    FA3 paper's 9.1e-3."""
+    _skip_unless_built(128)
+    r = _outlier_rmses(causal)
+    assert r["ours"] <= 9.1e-3, r
